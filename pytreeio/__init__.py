@@ -1,0 +1,63 @@
+"""pytreeio: read and write neural-network checkpoints as plain JAX pytrees.
+
+>>> import pytreeio as ptio
+>>> ptio.save("ckpt.msgpack", {"params": params, "opt_state": opt_state})
+>>> state = ptio.load("ckpt.msgpack", like={"params": params, "opt_state": opt_state})
+
+``import pytreeio`` imports numpy and msgpack only; jax, flax and optax are
+imported by the operations that need them.
+"""
+
+from .api import (
+    convert,
+    decode,
+    encode,
+    formats,
+    inspect,
+    inspect_buffer,
+    load,
+    load_with_meta,
+    save,
+    verify,
+)
+from .errors import (
+    EncodeError,
+    FormatError,
+    MismatchError,
+    PytreeioError,
+    QuantisationError,
+    UnknownFormatError,
+)
+from .registry import Decoded, Encoded, Entry, Format, Info, Probe, register
+from .tree import flatten, unflatten
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "save",
+    "load",
+    "load_with_meta",
+    "inspect",
+    "inspect_buffer",
+    "convert",
+    "encode",
+    "decode",
+    "verify",
+    "formats",
+    "flatten",
+    "unflatten",
+    "register",
+    "Format",
+    "Encoded",
+    "Decoded",
+    "Info",
+    "Entry",
+    "Probe",
+    "PytreeioError",
+    "FormatError",
+    "MismatchError",
+    "QuantisationError",
+    "UnknownFormatError",
+    "EncodeError",
+    "__version__",
+]

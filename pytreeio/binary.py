@@ -1,0 +1,356 @@
+"""Bounded little-endian reading and zero-copy writing of binary layouts.
+
+This is the only module that unpacks fixed-width integers.  :class:`Reader`
+checks every length against the bytes that remain *before* anything is
+allocated, so a hostile length field costs nothing but a :class:`FormatError`
+naming the field and the offset.  :class:`Writer` collects small headers and
+large array buffers as a list of chunks, so arrays are never copied on the way
+to the file.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import FormatError
+
+__all__ = ["Reader", "Writer", "Buffer", "ByteSource", "BufferSource", "as_memoryview"]
+
+#: Anything exposing the buffer protocol (bytes, bytearray, memoryview, mmap, ndarray).
+Buffer = Any
+
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_I32 = struct.Struct("<i")
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+_F32 = struct.Struct("<f")
+_F64 = struct.Struct("<d")
+# Big-endian, for formats framed in network order (msgpack).
+_BE_I8 = struct.Struct(">b")
+_BE_U16 = struct.Struct(">H")
+_BE_I16 = struct.Struct(">h")
+_BE_U32 = struct.Struct(">I")
+_BE_I32 = struct.Struct(">i")
+_BE_U64 = struct.Struct(">Q")
+_BE_I64 = struct.Struct(">q")
+_BE_F32 = struct.Struct(">f")
+_BE_F64 = struct.Struct(">d")
+
+
+def as_memoryview(buffer: Buffer) -> memoryview:
+    """A flat, byte-format memoryview of ``buffer`` (no copy)."""
+    view = buffer if isinstance(buffer, memoryview) else memoryview(buffer)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+class Reader:
+    """Sequential reader over a buffer, bounded by its length.
+
+    Args:
+      buffer: the bytes to read (not copied).
+      source: name of the file or buffer, used in error messages.
+      start: absolute offset of ``buffer[0]`` in the original file, so that
+        offsets reported for a sub-buffer are offsets in the file.
+    """
+
+    __slots__ = ("pos", "source", "start", "view")
+
+    def __init__(self, buffer: Buffer, *, source: str | None = None, start: int = 0) -> None:
+        self.view = as_memoryview(buffer)
+        self.pos = 0
+        self.source = source
+        self.start = start
+
+    # -- bookkeeping -------------------------------------------------------
+    @property
+    def offset(self) -> int:
+        """Absolute offset of the next byte to read."""
+        return self.start + self.pos
+
+    @property
+    def remaining(self) -> int:
+        return len(self.view) - self.pos
+
+    def error(
+        self, reason: str, field: str | None = None, offset: int | None = None
+    ) -> FormatError:
+        """A :class:`FormatError` located at ``offset`` (default: the current one)."""
+        return FormatError(
+            reason, path=self.source, field=field, offset=self.offset if offset is None else offset
+        )
+
+    def need(self, n: int, field: str) -> None:
+        """Raise unless ``n`` more bytes are available."""
+        if n < 0:
+            raise self.error(f"negative length {n}", field)
+        if n > len(self.view) - self.pos:
+            raise self.error(
+                f"truncated: needs {n} bytes, only {len(self.view) - self.pos} remain", field
+            )
+
+    def skip(self, n: int, field: str) -> None:
+        self.need(n, field)
+        self.pos += n
+
+    def expect_end(self, field: str = "end of file") -> None:
+        if self.pos != len(self.view):
+            raise self.error(f"{len(self.view) - self.pos} unexpected trailing bytes", field)
+
+    # -- scalars -----------------------------------------------------------
+    def _unpack(self, st: struct.Struct, field: str) -> Any:
+        pos = self.pos
+        if st.size > len(self.view) - pos:
+            raise self.error(
+                f"truncated: needs {st.size} bytes, only {len(self.view) - pos} remain", field
+            )
+        self.pos = pos + st.size
+        return st.unpack_from(self.view, pos)[0]
+
+    def u8(self, field: str) -> int:
+        return int(self._unpack(_U8, field))
+
+    def u16(self, field: str) -> int:
+        return int(self._unpack(_U16, field))
+
+    def u32(self, field: str) -> int:
+        return int(self._unpack(_U32, field))
+
+    def i32(self, field: str) -> int:
+        return int(self._unpack(_I32, field))
+
+    def u64(self, field: str) -> int:
+        return int(self._unpack(_U64, field))
+
+    def i64(self, field: str) -> int:
+        return int(self._unpack(_I64, field))
+
+    def f32(self, field: str) -> float:
+        return float(self._unpack(_F32, field))
+
+    def f64(self, field: str) -> float:
+        return float(self._unpack(_F64, field))
+
+    def be_i8(self, field: str) -> int:
+        return int(self._unpack(_BE_I8, field))
+
+    def be_u16(self, field: str) -> int:
+        return int(self._unpack(_BE_U16, field))
+
+    def be_i16(self, field: str) -> int:
+        return int(self._unpack(_BE_I16, field))
+
+    def be_u32(self, field: str) -> int:
+        return int(self._unpack(_BE_U32, field))
+
+    def be_i32(self, field: str) -> int:
+        return int(self._unpack(_BE_I32, field))
+
+    def be_u64(self, field: str) -> int:
+        return int(self._unpack(_BE_U64, field))
+
+    def be_i64(self, field: str) -> int:
+        return int(self._unpack(_BE_I64, field))
+
+    def be_f32(self, field: str) -> float:
+        return float(self._unpack(_BE_F32, field))
+
+    def be_f64(self, field: str) -> float:
+        return float(self._unpack(_BE_F64, field))
+
+    def sub(self, n: int, field: str) -> Reader:
+        """A reader over the next ``n`` bytes (consumed here), reporting file offsets."""
+        start = self.offset
+        return Reader(self.bytes(n, field), source=self.source, start=start)
+
+    def struct(self, st: struct.Struct, field: str) -> tuple[Any, ...]:
+        """Unpack a caller-defined fixed-size struct (e.g. a whole header)."""
+        pos = self.pos
+        if st.size > len(self.view) - pos:
+            raise self.error(
+                f"truncated: needs {st.size} bytes, only {len(self.view) - pos} remain", field
+            )
+        self.pos = pos + st.size
+        return st.unpack_from(self.view, pos)
+
+    # -- byte strings and arrays -------------------------------------------
+    def bytes(self, n: int, field: str) -> memoryview:
+        """The next ``n`` bytes as a view (no copy)."""
+        self.need(n, field)
+        pos = self.pos
+        self.pos = pos + n
+        return self.view[pos : pos + n]
+
+    def text(self, n: int, field: str, encoding: str = "utf-8") -> str:
+        start = self.offset
+        raw = self.bytes(n, field)
+        try:
+            return str(raw, encoding)
+        except UnicodeDecodeError as exc:
+            raise self.error(
+                f"invalid {encoding}: {exc.reason}", field, start + exc.start
+            ) from None
+
+    def array(self, dtype: Any, shape: Sequence[int], field: str) -> np.ndarray:
+        """The next ``prod(shape)`` elements of ``dtype`` as an array view (no copy).
+
+        The byte count is computed with Python integers and checked against
+        the remaining bytes before numpy sees the shape, so an absurd shape
+        cannot trigger an allocation or an overflow.
+        """
+        dt = np.dtype(dtype)
+        count = 1
+        for d in shape:
+            if d < 0:
+                raise self.error(f"negative dimension {d} in shape {tuple(shape)}", field)
+            count *= d
+        nbytes = count * dt.itemsize
+        self.need(nbytes, field)
+        pos = self.pos
+        self.pos = pos + nbytes
+        arr = np.frombuffer(self.view, dtype=dt, count=count, offset=pos)
+        return arr.reshape(tuple(shape))
+
+
+class Writer:
+    """Collects an encoding as a list of chunks without copying array data.
+
+    Small fields are packed into a pending ``bytearray``; arrays are appended
+    as memoryviews of their own (C-contiguous) buffers.
+    """
+
+    __slots__ = ("_pending", "chunks", "nbytes")
+
+    def __init__(self) -> None:
+        self.chunks: list[Buffer] = []
+        self._pending = bytearray()
+        self.nbytes = 0
+
+    def _flush(self) -> None:
+        if self._pending:
+            self.chunks.append(bytes(self._pending))
+            self._pending = bytearray()
+
+    def raw(self, data: Buffer) -> None:
+        """Append bytes; large buffers are referenced, small ones copied."""
+        view = as_memoryview(data)
+        n = len(view)
+        if n >= 4096:
+            self._flush()
+            self.chunks.append(view)
+        else:
+            self._pending += view
+        self.nbytes += n
+
+    def u8(self, v: int) -> None:
+        self._pending += _U8.pack(v)
+        self.nbytes += 1
+
+    def u32(self, v: int) -> None:
+        self._pending += _U32.pack(v)
+        self.nbytes += 4
+
+    def i32(self, v: int) -> None:
+        self._pending += _I32.pack(v)
+        self.nbytes += 4
+
+    def u64(self, v: int) -> None:
+        self._pending += _U64.pack(v)
+        self.nbytes += 8
+
+    def i64(self, v: int) -> None:
+        self._pending += _I64.pack(v)
+        self.nbytes += 8
+
+    def f32(self, v: float) -> None:
+        self._pending += _F32.pack(v)
+        self.nbytes += 4
+
+    def f64(self, v: float) -> None:
+        self._pending += _F64.pack(v)
+        self.nbytes += 8
+
+    def struct(self, st: struct.Struct, *values: Any) -> None:
+        self._pending += st.pack(*values)
+        self.nbytes += st.size
+
+    def array(self, arr: np.ndarray, dtype: Any = None) -> None:
+        """Append an array's bytes in C order as the given little-endian dtype.
+
+        A C-contiguous array of the right dtype is referenced, not copied.
+        """
+        a = np.asarray(arr)
+        if dtype is not None:
+            want = np.dtype(dtype).newbyteorder("<")
+            if a.dtype != want:
+                a = a.astype(want)
+        elif a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("<"))
+        a = np.ascontiguousarray(a)
+        if a.nbytes:
+            self.raw(a.reshape(-1).view(np.uint8))
+
+    def finish(self) -> list[Buffer]:
+        """The chunks written so far (the writer may not be used afterwards)."""
+        self._flush()
+        return self.chunks
+
+
+class ByteSource:
+    """Random access to a file's bytes, for reading headers without the data.
+
+    ``inspect`` functions receive one of these (or, for multi-file layouts, a
+    mapping of them).  ``read`` checks the range against ``size`` and counts
+    ``bytes_read`` so tests can prove that only headers were touched.
+    """
+
+    name: str | None
+    size: int
+    bytes_read: int
+
+    def read(self, offset: int, n: int, field: str) -> memoryview:
+        """``n`` bytes at ``offset``; :class:`FormatError` if the file is shorter."""
+        if offset < 0 or n < 0 or offset + n > self.size:
+            raise FormatError(
+                f"truncated: needs {n} bytes at offset {offset}, file has {self.size}",
+                path=self.name,
+                field=field,
+                offset=offset,
+            )
+        data = self._read(offset, n)
+        self.bytes_read += n
+        return data
+
+    def reader(self, offset: int, n: int, field: str) -> Reader:
+        """A :class:`Reader` over ``n`` bytes at ``offset`` reporting file offsets."""
+        return Reader(self.read(offset, n, field), source=self.name, start=offset)
+
+    def view(self) -> memoryview:
+        """The whole content as a buffer (a read-only map for files: pages load when touched)."""
+        raise NotImplementedError
+
+    def _read(self, offset: int, n: int) -> memoryview:
+        raise NotImplementedError
+
+
+class BufferSource(ByteSource):
+    """A :class:`ByteSource` over an in-memory buffer."""
+
+    def __init__(self, buffer: Buffer, name: str | None = None) -> None:
+        self._view = as_memoryview(buffer)
+        self.name = name
+        self.size = len(self._view)
+        self.bytes_read = 0
+
+    def _read(self, offset: int, n: int) -> memoryview:
+        return self._view[offset : offset + n]
+
+    def view(self) -> memoryview:
+        return self._view

@@ -1,0 +1,72 @@
+"""The array dtypes pytreeio reads and writes, by the names formats use.
+
+Only plain numeric and boolean dtypes are accepted from files: object,
+structured and string dtypes never are, so no file can make numpy unpickle
+or interpret anything.  ``bfloat16`` and the float8 types come from
+``ml_dtypes`` (a small numpy extension that jax itself depends on).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["by_name", "NAMES", "check_plain", "little_endian", "c_order"]
+
+_DTYPES: dict[str, np.dtype[Any]] = {
+    name: np.dtype(name).newbyteorder("<")
+    for name in (
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    )
+}
+_DTYPES["bool"] = np.dtype(np.bool_)
+_DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
+_DTYPES["float8_e4m3fn"] = np.dtype(ml_dtypes.float8_e4m3fn)
+_DTYPES["float8_e5m2"] = np.dtype(ml_dtypes.float8_e5m2)
+
+#: The accepted dtype names.
+NAMES: frozenset[str] = frozenset(_DTYPES)
+
+
+def by_name(name: str) -> np.dtype[Any] | None:
+    """The little-endian dtype called ``name`` (numpy's ``dtype.name``), or None."""
+    return _DTYPES.get(name)
+
+
+def check_plain(dtype: np.dtype[Any]) -> str | None:
+    """Why ``dtype`` cannot be stored (object, structured, unknown), or None if it can."""
+    if dtype.hasobject:
+        return "object arrays cannot be stored"
+    if dtype.fields is not None:
+        return "structured arrays cannot be stored"
+    if dtype.name not in _DTYPES:
+        return f"dtype {dtype.name!r} is not supported"
+    return None
+
+
+def little_endian(arr: np.ndarray) -> np.ndarray:
+    """``arr`` in little-endian byte order (a view when it already is)."""
+    if arr.dtype.byteorder == ">":
+        return arr.astype(arr.dtype.newbyteorder("<"))
+    return arr
+
+
+def c_order(arr: np.ndarray) -> np.ndarray:
+    """``arr`` as a C-contiguous little-endian array of the same shape (0-d stays 0-d; no copy if it already is)."""
+    arr = little_endian(arr)
+    return arr if arr.flags.c_contiguous else arr.copy(order="C")

@@ -1,0 +1,151 @@
+"""The error types of pytreeio.
+
+Every failure that comes from the content of a file (or buffer) is a
+:class:`FormatError`; every disagreement between a file and what the caller
+asked for (``like=``, ``meta=``) is a :class:`MismatchError`.  Both derive from
+``ValueError`` so that generic callers that catch ``ValueError`` keep working.
+``FileNotFoundError`` and other ``OSError``\\ s are left as the builtins.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "PytreeioError",
+    "FormatError",
+    "MismatchError",
+    "QuantisationError",
+    "UnknownFormatError",
+    "EncodeError",
+]
+
+
+class PytreeioError(Exception):
+    """Base class of every error raised by pytreeio."""
+
+
+class FormatError(PytreeioError, ValueError):
+    """A file or buffer is malformed, truncated or not of the expected format.
+
+    Attributes:
+      path: the file the bytes came from (``None`` for an in-memory buffer
+        until the I/O layer fills it in).
+      offset: byte offset in that file where the problem was found, if any.
+      field: the name of the field or record being read, e.g. ``"header.version"``
+        or ``"layer 1 Wq"``.
+      reason: the bare message, without location.
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        path: str | None = None,
+        offset: int | None = None,
+        field: str | None = None,
+    ) -> None:
+        self.reason = reason
+        self.path = path
+        self.offset = offset
+        self.field = field
+        super().__init__(reason)
+
+    def __str__(self) -> str:
+        where = []
+        if self.path is not None:
+            where.append(str(self.path))
+        if self.field is not None:
+            where.append(f"field {self.field!r}")
+        if self.offset is not None:
+            where.append(f"offset {self.offset}")
+        return f"{', '.join(where)}: {self.reason}" if where else self.reason
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_format_error, (self.reason, self.path, self.offset, self.field))
+
+
+def _rebuild_format_error(reason: str, path: Any, offset: Any, field: Any) -> FormatError:
+    return FormatError(reason, path=path, offset=offset, field=field)
+
+
+class MismatchError(PytreeioError, ValueError):
+    """A file's content and the caller's ``like`` tree or ``meta`` disagree.
+
+    Attributes:
+      key_path: canonical key string (or entry name) where they disagree.
+      expected: what the caller's template asked for.
+      found: what the file holds.
+      path: the file, when known.
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        key_path: str | None = None,
+        expected: Any = None,
+        found: Any = None,
+        path: str | None = None,
+    ) -> None:
+        self.reason = reason
+        self.key_path = key_path
+        self.expected = expected
+        self.found = found
+        self.path = path
+        super().__init__(reason)
+
+    def __str__(self) -> str:
+        parts = []
+        if self.path is not None:
+            parts.append(str(self.path))
+        if self.key_path is not None:
+            parts.append(f"at {self.key_path!r}")
+        head = ", ".join(parts)
+        msg = f"{head}: {self.reason}" if head else self.reason
+        if self.expected is not None or self.found is not None:
+            msg += f" (expected {self.expected}, found {self.found})"
+        return msg
+
+    def __reduce__(self) -> Any:
+        return (
+            _rebuild_mismatch_error,
+            (self.reason, self.key_path, self.expected, self.found, self.path),
+        )
+
+
+def _rebuild_mismatch_error(
+    reason: str, key_path: Any, expected: Any, found: Any, path: Any
+) -> MismatchError:
+    return MismatchError(reason, key_path=key_path, expected=expected, found=found, path=path)
+
+
+class QuantisationError(PytreeioError, OverflowError):
+    """A value does not fit the integer type it is quantised to (or is NaN/inf)."""
+
+
+class UnknownFormatError(PytreeioError, ValueError):
+    """No registered format matches the name, suffix or content given."""
+
+
+class EncodeError(PytreeioError, TypeError):
+    """A tree cannot be written in the requested format (unsupported leaf, key or dtype).
+
+    Raised by ``encode``/``save`` before anything is written; ``key_path``
+    names the offending entry.
+    """
+
+    def __init__(self, reason: str, *, key_path: str | None = None) -> None:
+        self.reason = reason
+        self.key_path = key_path
+        super().__init__(reason)
+
+    def __str__(self) -> str:
+        return f"at {self.key_path!r}: {self.reason}" if self.key_path is not None else self.reason
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_encode_error, (self.reason, self.key_path))
+
+
+def _rebuild_encode_error(reason: str, key_path: Any) -> EncodeError:
+    return EncodeError(reason, key_path=key_path)

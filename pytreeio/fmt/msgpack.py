@@ -1,0 +1,529 @@
+"""Format ``msgpack``: flax.serialization's msgpack state dicts, byte for byte.
+
+The file is one msgpack object (big-endian framing), the flax *state dict*
+of the tree: dicts with ``str(key)`` keys; lists, tuples and NamedTuples as
+maps (``'0'``, ``'1'``, ... or field names); ``None`` as nil; Python
+scalars as msgpack scalars.  Arrays are msgpack extension objects:
+
+==========  ==========================================================
+ext code    payload (itself msgpack)
+==========  ==========================================================
+1 ndarray   ``[shape: array of uint, dtype name: str, data: bin]``
+            (C order, native = little-endian byte order)
+2 complex   ``[real: float64, imag: float64]`` (Python ``complex``)
+3 npscalar  as ndarray, 0-d; decodes to a numpy scalar
+==========  ==========================================================
+
+Arrays larger than ``chunk_bytes`` (2**30, flax's ``MAX_CHUNK_SIZE``) are
+written as ``{'__msgpack_chunked_array__': True, 'shape': {'0': d0, ...},
+'chunks': {'0': flat_chunk_0, ...}}`` with ``chunk_bytes // itemsize``
+elements per chunk, as flax does.
+
+Writing streams each array's own buffer to the file (the ext and bin
+headers are computed, never the payload); reading parses the framing in
+place and returns arrays that are views of the file's bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .. import dtypes
+from ..binary import ByteSource, Reader, Writer
+from ..errors import EncodeError
+from ..registry import Decoded, Encoded, Entry, Format, Info, Probe, register
+from ..tree import key_string
+
+__all__ = ["FORMAT", "encode", "decode", "inspect", "MAX_CHUNK_BYTES"]
+
+#: flax.serialization.MAX_CHUNK_SIZE: arrays above this many bytes are chunked.
+MAX_CHUNK_BYTES = 2**30
+_CHUNKED = "__msgpack_chunked_array__"
+_EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
+_MAX_DEPTH = 200  # each level costs two Python frames; flax trees are rarely 20 deep
+_packb = msgpack.packb
+
+
+# --------------------------------------------------------------------------
+# encoding
+# --------------------------------------------------------------------------
+
+
+def _container_header(n: int, small: int, b16: int, b32: int) -> bytes:
+    if n < 16:
+        return bytes((small | n,))
+    if n < 0x10000:
+        return bytes((b16,)) + n.to_bytes(2, "big")
+    return bytes((b32,)) + n.to_bytes(4, "big")
+
+
+def _map_header(n: int) -> bytes:
+    return _container_header(n, 0x80, 0xDE, 0xDF)
+
+
+def _bin_header(n: int) -> bytes:
+    if n < 0x100:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 0x10000:
+        return b"\xc5" + n.to_bytes(2, "big")
+    if n < 0x100000000:
+        return b"\xc6" + n.to_bytes(4, "big")
+    raise EncodeError(f"array of {n} bytes exceeds msgpack's 4 GiB limit; lower chunk_bytes")
+
+
+_FIXEXT = {1: 0xD4, 2: 0xD5, 4: 0xD6, 8: 0xD7, 16: 0xD8}
+
+
+def _ext_header(code: int, n: int) -> bytes:
+    """The extension header msgpack itself would write for ``n`` payload bytes."""
+    fixed = _FIXEXT.get(n)
+    if fixed is not None:
+        return bytes((fixed, code))
+    if n < 0x100:
+        return bytes((0xC7, n, code))
+    if n < 0x10000:
+        return b"\xc8" + n.to_bytes(2, "big") + bytes((code,))
+    if n < 0x100000000:
+        return b"\xc9" + n.to_bytes(4, "big") + bytes((code,))
+    raise EncodeError(f"extension payload of {n} bytes exceeds msgpack's 4 GiB limit")
+
+
+def _as_host_array(x: Any, key: str) -> np.ndarray:
+    arr = np.asarray(x)
+    why = dtypes.check_plain(arr.dtype)
+    if why is not None:
+        raise EncodeError(why, key_path=key)
+    return dtypes.c_order(arr)
+
+
+class _Encoder:
+    def __init__(self, chunk_bytes: int) -> None:
+        self.w = Writer()
+        self.chunk_bytes = chunk_bytes
+
+    def ext_array(self, arr: np.ndarray, code: int) -> None:
+        head = b"\x93" + _packb(arr.shape) + _packb(arr.dtype.name) + _bin_header(arr.nbytes)
+        self.w.raw(_ext_header(code, len(head) + arr.nbytes) + head)
+        self.w.array(arr)
+
+    def chunked(self, arr: np.ndarray, path: tuple[Any, ...]) -> None:
+        per_chunk = max(1, int(self.chunk_bytes / arr.dtype.itemsize))
+        flat = arr.reshape(-1)
+        starts = range(0, flat.size, per_chunk)
+        self.w.raw(_map_header(3) + _packb(_CHUNKED) + b"\xc3" + _packb("shape"))
+        self.w.raw(
+            _map_header(arr.ndim)
+            + b"".join(_packb(str(i)) + _packb(d) for i, d in enumerate(arr.shape))
+        )
+        self.w.raw(_packb("chunks") + _map_header(len(starts)))
+        for i, s in enumerate(starts):
+            self.w.raw(_packb(str(i)))
+            self.ext_array(flat[s : s + per_chunk], _EXT_NDARRAY)
+
+    def mapping(self, items: list[tuple[str, Any]], path: tuple[Any, ...], depth: int) -> None:
+        self.w.raw(_map_header(len(items)))
+        for k, v in items:
+            self.w.raw(_packb(k))
+            self.value(v, (*path, k), depth + 1)
+
+    def value(self, x: Any, path: tuple[Any, ...], depth: int = 0) -> None:
+        if depth > _MAX_DEPTH:
+            raise EncodeError(
+                f"tree is nested deeper than {_MAX_DEPTH} levels", key_path=key_string(path)
+            )
+        if x is None:
+            self.w.raw(b"\xc0")
+        elif isinstance(x, bool | int | float | str | bytes) and not isinstance(x, np.generic):
+            try:
+                self.w.raw(_packb(x))
+            except (OverflowError, TypeError) as exc:
+                raise EncodeError(str(exc), key_path=key_string(path)) from None
+        elif isinstance(x, np.generic):
+            self.ext_array(_as_host_array(x, key_string(path)), _EXT_NPSCALAR)
+        elif isinstance(x, complex):
+            payload = _packb((x.real, x.imag))
+            self.w.raw(_ext_header(_EXT_COMPLEX, len(payload)) + payload)
+        elif isinstance(x, Mapping):
+            items = []
+            seen = set()
+            for k, v in x.items():
+                sk = str(k)
+                if sk in seen:
+                    raise EncodeError(
+                        f"dict keys collide as strings: {sk!r}", key_path=key_string(path)
+                    )
+                seen.add(sk)
+                items.append((sk, v))
+            self.mapping(items, path, depth)
+        elif isinstance(x, tuple) and hasattr(type(x), "_fields"):
+            self.mapping([(f, getattr(x, f)) for f in _field_names(x)], path, depth)
+        elif isinstance(x, list | tuple):
+            self.mapping([(str(i), v) for i, v in enumerate(x)], path, depth)
+        elif isinstance(x, np.ndarray) or _is_jax_array(x):
+            arr = _as_host_array(x, key_string(path))
+            if arr.nbytes > self.chunk_bytes:
+                self.chunked(arr, path)
+            else:
+                self.ext_array(arr, _EXT_NDARRAY)
+        else:
+            self.value(_state_dict_of(x, path), path, depth + 1)
+
+
+def _field_names(nt: Any) -> list[str]:
+    return list(type(nt)._fields)
+
+
+def _is_jax_array(x: Any) -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(x, jax.Array)
+
+
+def _state_dict_of(x: Any, path: tuple[Any, ...]) -> Any:
+    """A custom node's state dict: flax's registry first, then jax's pytree registry."""
+    ser = sys.modules.get("flax.serialization")
+    if ser is not None:
+        sd = ser.to_state_dict(x)
+        if sd is not x:
+            return sd
+    from ..tree import _children, component_string
+
+    kids = _children(x) if "jax" in sys.modules else None
+    if kids is None:
+        raise EncodeError(
+            f"cannot store a leaf of type {type(x).__module__}.{type(x).__qualname__}",
+            key_path=key_string(path),
+        )
+    return {
+        (c if isinstance(c, str) else str(c[1]) if isinstance(c, tuple) else component_string(c)): v
+        for c, v in kids[0]
+    }
+
+
+def encode(
+    tree: Any,
+    *,
+    meta: Mapping[str, Any] | None = None,
+    chunk_bytes: int = MAX_CHUNK_BYTES,
+    **options: Any,
+) -> Encoded:
+    """The flax state-dict msgpack encoding of ``tree`` (array buffers referenced, not copied).
+
+    Args:
+      chunk_bytes: arrays above this size are split as flax splits them;
+        leave it at flax's 2**30 unless testing.
+    """
+    if options:
+        raise TypeError(f"unknown msgpack options: {sorted(options)}")
+    if meta:
+        warnings.warn(
+            f"the msgpack format cannot store meta; dropping {sorted(meta)}", stacklevel=3
+        )
+    enc = _Encoder(chunk_bytes)
+    enc.value(tree, ())
+    return Encoded(chunks=tuple(enc.w.finish()))
+
+
+# --------------------------------------------------------------------------
+# decoding
+# --------------------------------------------------------------------------
+
+
+class _ArrayHeader:
+    """An array's shape and dtype, where ``inspect`` skips the data."""
+
+    __slots__ = ("dtype", "nbytes", "shape")
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any], nbytes: int) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self.nbytes = nbytes
+
+
+class _Parser:
+    """Bounded msgpack parser producing flax's ``msgpack_restore`` values."""
+
+    def __init__(self, r: Reader, *, skip_data: bool) -> None:
+        self.r = r
+        self.skip_data = skip_data
+
+    def value(self, depth: int, field: str) -> Any:
+        r = self.r
+        at = r.offset
+        b = r.u8(field)
+        if b <= 0x7F:
+            return b
+        if b >= 0xE0:
+            return b - 0x100
+        if b <= 0x8F:
+            return self.map(b & 0x0F, depth, field)
+        if b <= 0x9F:
+            return self.array(b & 0x0F, depth, field)
+        if b <= 0xBF:
+            return r.text(b & 0x1F, field)
+        if b == 0xC0:
+            return None
+        if b == 0xC2:
+            return False
+        if b == 0xC3:
+            return True
+        if b == 0xC4:
+            return bytes(r.bytes(r.u8(field), field))
+        if b == 0xC5:
+            return bytes(r.bytes(r.be_u16(field), field))
+        if b == 0xC6:
+            return bytes(r.bytes(r.be_u32(field), field))
+        if b == 0xC7:
+            return self.ext(r.u8(field), field, depth)
+        if b == 0xC8:
+            return self.ext(r.be_u16(field), field, depth)
+        if b == 0xC9:
+            return self.ext(r.be_u32(field), field, depth)
+        if b == 0xCA:
+            return r.be_f32(field)
+        if b == 0xCB:
+            return r.be_f64(field)
+        if b == 0xCC:
+            return r.u8(field)
+        if b == 0xCD:
+            return r.be_u16(field)
+        if b == 0xCE:
+            return r.be_u32(field)
+        if b == 0xCF:
+            return r.be_u64(field)
+        if b == 0xD0:
+            return r.be_i8(field)
+        if b == 0xD1:
+            return r.be_i16(field)
+        if b == 0xD2:
+            return r.be_i32(field)
+        if b == 0xD3:
+            return r.be_i64(field)
+        if 0xD4 <= b <= 0xD8:
+            return self.ext(1 << (b - 0xD4), field, depth)
+        if b == 0xD9:
+            return r.text(r.u8(field), field)
+        if b == 0xDA:
+            return r.text(r.be_u16(field), field)
+        if b == 0xDB:
+            return r.text(r.be_u32(field), field)
+        if b == 0xDC:
+            return self.array(r.be_u16(field), depth, field)
+        if b == 0xDD:
+            return self.array(r.be_u32(field), depth, field)
+        if b == 0xDE:
+            return self.map(r.be_u16(field), depth, field)
+        if b == 0xDF:
+            return self.map(r.be_u32(field), depth, field)
+        raise r.error(f"invalid msgpack type byte 0x{b:02x}", field, at)
+
+    def _deeper(self, depth: int, field: str) -> int:
+        if depth >= _MAX_DEPTH:
+            raise self.r.error(f"nesting deeper than {_MAX_DEPTH} levels", field)
+        return depth + 1
+
+    def array(self, n: int, depth: int, field: str) -> list[Any]:
+        depth = self._deeper(depth, field)
+        # Each element takes at least one byte: a lying count fails on truncation
+        # after at most `remaining` iterations, never by allocating.
+        return [self.value(depth, f"{field}[{i}]") for i in range(n)]
+
+    def map(self, n: int, depth: int, field: str) -> dict[Any, Any]:
+        depth = self._deeper(depth, field)
+        out: dict[Any, Any] = {}
+        r = self.r
+        for _ in range(n):
+            at = r.offset
+            key = self.value(depth, f"{field} key")
+            if isinstance(key, (dict | list, np.ndarray | _ArrayHeader)):
+                raise r.error("map key is not a scalar", field, at)
+            if key in out:
+                raise r.error(f"duplicate map key {key!r}", field, at)
+            child = key if isinstance(key, str) else str(key)
+            out[key] = self.value(depth, child if field == "" else f"{field}/{child}")
+        return out
+
+    def ext(self, n: int, field: str, depth: int) -> Any:
+        r = self.r
+        code = r.u8(field)
+        body = r.sub(n, field)
+        if code in (_EXT_NDARRAY, _EXT_NPSCALAR):
+            arr = self.ndarray(body, field)
+            if code == _EXT_NPSCALAR:
+                if arr.shape != ():
+                    raise body.error(f"numpy scalar with shape {arr.shape}", field, body.start)
+                return arr if isinstance(arr, _ArrayHeader) else arr[()]
+            return arr
+        if code == _EXT_COMPLEX:
+            inner = _Parser(body, skip_data=False).value(depth + 1, field)
+            if (
+                not isinstance(inner, list)
+                or len(inner) != 2
+                or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in inner)
+            ):
+                raise body.error("complex extension is not [real, imag]", field, body.start)
+            body.expect_end(field)
+            return complex(inner[0], inner[1])
+        raise r.error(f"unknown msgpack extension type {code}", field, body.start - 1)
+
+    def ndarray(self, body: Reader, field: str) -> Any:
+        start = body.offset
+        head = body.u8(field)
+        if head != 0x93:
+            raise body.error(
+                "array extension is not a 3-element [shape, dtype, data]", field, start
+            )
+        sub = _Parser(body, skip_data=True)
+        shape_at = body.offset
+        shape = sub.value(_MAX_DEPTH - 2, field)
+        if (
+            not isinstance(shape, list)
+            or len(shape) > 64
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise body.error(f"bad array shape {shape!r}", field, shape_at)
+        dtype_at = body.offset
+        name = sub.value(_MAX_DEPTH - 2, field)
+        if isinstance(name, bytes):
+            name = name.decode("ascii", "replace")
+        dt = dtypes.by_name(name) if isinstance(name, str) else None
+        if dt is None:
+            raise body.error(f"unsupported array dtype {name!r}", field, dtype_at)
+        bin_at = body.offset
+        tag = body.u8(field)
+        if tag == 0xC4:
+            n = body.u8(field)
+        elif tag == 0xC5:
+            n = body.be_u16(field)
+        elif tag == 0xC6:
+            n = body.be_u32(field)
+        else:
+            raise body.error("array data is not a msgpack bin", field, bin_at)
+        expected = math.prod(shape) * dt.itemsize
+        if n != expected:
+            raise body.error(
+                f"array data has {n} bytes, shape {tuple(shape)} of {dt.name} needs {expected}",
+                field,
+                bin_at,
+            )
+        if self.skip_data:
+            body.skip(n, field)
+            body.expect_end(field)
+            return _ArrayHeader(tuple(shape), dt, n)
+        arr = body.array(dt, shape, field)
+        body.expect_end(field)
+        return arr
+
+
+def _unchunk(node: Any, r: Reader, field: str) -> Any:
+    """Replace flax's chunked-array dicts with the arrays they hold."""
+    if not isinstance(node, dict):
+        return node
+    if _CHUNKED in node:
+        try:
+            shape_d, chunks_d = node["shape"], node["chunks"]
+            shape = tuple(shape_d[str(i)] for i in range(len(shape_d)))
+            chunks = [chunks_d[str(i)] for i in range(len(chunks_d))]
+        except (KeyError, TypeError):
+            raise r.error(
+                "malformed chunked array (needs 'shape' and 'chunks' maps keyed 0..n-1)",
+                field,
+                None,
+            ) from None
+        if set(node) != {_CHUNKED, "shape", "chunks"} or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise r.error("malformed chunked array", field, None)
+        if not chunks or not all(
+            isinstance(c, np.ndarray | _ArrayHeader) and len(c.shape) == 1 for c in chunks
+        ):
+            raise r.error("chunked array chunks must be 1-D arrays", field, None)
+        dt = chunks[0].dtype
+        if any(c.dtype != dt for c in chunks):
+            raise r.error("chunked array chunks differ in dtype", field, None)
+        total = sum(c.shape[0] for c in chunks)
+        if total != math.prod(shape):
+            raise r.error(
+                f"chunked array holds {total} elements, shape {shape} needs {math.prod(shape)}",
+                field,
+                None,
+            )
+        if isinstance(chunks[0], _ArrayHeader):
+            return _ArrayHeader(shape, dt, total * dt.itemsize)
+        return np.concatenate(chunks).reshape(shape)
+    for k, v in node.items():
+        if isinstance(v, dict):
+            node[k] = _unchunk(v, r, f"{field}/{k}" if field else str(k))
+    return node
+
+
+def _parse(view: Any, *, skip_data: bool, source: str | None = None) -> Any:
+    r = Reader(view, source=source)
+    if r.remaining == 0:
+        raise r.error("empty file", "msgpack object", 0)
+    tree = _Parser(r, skip_data=skip_data).value(0, "")
+    r.expect_end("end of msgpack object")
+    return _unchunk(tree, r, "")
+
+
+def decode(buffer: Any, **options: Any) -> Decoded:
+    """The state dict in ``buffer`` (arrays are views of it), as ``flax.serialization.msgpack_restore`` gives it."""
+    return Decoded(_parse(buffer, skip_data=False), {})
+
+
+def _entries(node: Any, path: tuple[Any, ...], out: list[Entry]) -> None:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _entries(v, (*path, k if isinstance(k, str) else str(k)), out)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _entries(v, (*path, ("[", i)), out)
+    elif isinstance(node, _ArrayHeader):
+        out.append(Entry(key_string(path), node.shape, node.dtype.name, node.nbytes))
+    elif node is not None:
+        out.append(Entry(key_string(path), (), type(node).__name__, 0))
+
+
+def inspect(source: ByteSource) -> Info:
+    """Entries (array shapes/dtypes; Python scalars with their type name) without reading array data."""
+    tree = _parse(source.view(), skip_data=True, source=source.name)
+    entries: list[Entry] = []
+    _entries(tree, (), entries)
+    return Info(format="msgpack", entries=tuple(entries))
+
+
+def _sniff(probe: Probe) -> bool:
+    """A map whose first key is a string (every flax state dict), or an empty map."""
+    head = probe.head
+    if probe.is_dir or not head:
+        return False
+    b = head[0]
+    if b == 0x80:
+        return probe.size == 1
+    key_at = 1 if 0x81 <= b <= 0x8F else 3 if b == 0xDE else 5 if b == 0xDF else None
+    if key_at is None or len(head) <= key_at:
+        return False
+    k = head[key_at]
+    return 0xA0 <= k <= 0xBF or k in (0xD9, 0xDA, 0xDB)
+
+
+FORMAT = register(
+    Format(
+        name="msgpack",
+        description="flax.serialization msgpack state dict (to_bytes / msgpack_restore compatible)",
+        suffixes=(".msgpack", ".flax"),
+        layout="file",
+        encode=encode,
+        decode=decode,
+        inspect=inspect,
+        sniff=_sniff,
+        stores_meta=False,
+        sniff_priority=-10,  # no magic number: every other format is tried first
+    )
+)

@@ -1,0 +1,366 @@
+"""All file-system access of pytreeio: atomic writes and bounded reads.
+
+Writes: a temporary file (or directory) is created next to the destination,
+written chunk by chunk straight from the arrays' buffers, fsync'd, renamed
+over the destination, and the parent directory fsync'd.  A failure at any
+point removes the temporary and leaves the previous checkpoint untouched.
+Directories are swapped in with ``renameat2(RENAME_EXCHANGE)`` where the
+kernel has it, so readers see either the old or the new directory.
+
+Reads: a whole file is read with ``readinto`` into one preallocated,
+uninitialised buffer (arrays decoded from it are views, so the data is
+copied exactly once, from the page cache); ``mmap=True`` maps it instead.
+Header-only reads (``inspect``) go through :class:`FileSource`, which
+``pread``\\ s just the ranges a format asks for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import mmap as _mmap
+import os
+import secrets
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .binary import Buffer, ByteSource, as_memoryview
+from .registry import Encoded
+
+__all__ = [
+    "write_atomic",
+    "write_file_atomic",
+    "write_dir_atomic",
+    "read_file",
+    "FileSource",
+    "DirFiles",
+    "LocatedFiles",
+]
+
+# Linux caps a single write() at just under 2 GiB; stay well below it.
+_MAX_WRITE = 1 << 30
+_TMP_MARK = ".pytreeio-tmp-"
+
+
+def _tmp_name(dest: Path) -> Path:
+    return dest.parent / f".{dest.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _write_chunks(fd: int, chunks: tuple[Buffer, ...] | list[Buffer]) -> None:
+    for chunk in chunks:
+        view = as_memoryview(chunk)
+        n = len(view)
+        pos = 0
+        while pos < n:
+            pos += os.write(fd, view[pos : pos + _MAX_WRITE])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_new_file(path: Path, encoded: Encoded, durable: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        _write_chunks(fd, encoded.chunks)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(
+    path: str | os.PathLike[str], encoded: Encoded, *, durable: bool = True
+) -> None:
+    """Write a single-file encoding to ``path`` atomically."""
+    dest = Path(path)
+    if dest.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "cannot replace a directory with a file", str(dest))
+    tmp = _tmp_name(dest)
+    try:
+        _write_new_file(tmp, encoded, durable)
+        os.replace(tmp, dest)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    if durable:
+        _fsync_dir(dest.parent)
+
+
+def _populate_dir(root: Path, encoded: Encoded, durable: bool) -> None:
+    assert encoded.files is not None
+    made: set[Path] = {root}
+    for rel, sub in encoded.files.items():
+        target = root.joinpath(*rel.split("/"))
+        if root not in target.parents or ".." in rel.split("/"):
+            raise ValueError(f"refusing to write {rel!r} outside the checkpoint directory")
+        if target.parent not in made:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            made.add(target.parent)
+        _write_new_file(target, sub, durable)
+    if durable:
+        for d in sorted(made, key=lambda p: len(p.parts), reverse=True):
+            _fsync_dir(d)
+
+
+def _renameat2_exchange() -> Any:
+    libc_name = ctypes.util.find_library("c")
+    if not libc_name:
+        return None
+    try:
+        libc = ctypes.CDLL(libc_name, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_renameat2: Any = None
+_renameat2_checked = False
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths; False if the platform cannot."""
+    global _renameat2, _renameat2_checked
+    if not _renameat2_checked:
+        _renameat2 = _renameat2_exchange()
+        _renameat2_checked = True
+    if _renameat2 is None:
+        return False
+    rc = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def write_dir_atomic(
+    path: str | os.PathLike[str], encoded: Encoded, *, durable: bool = True
+) -> None:
+    """Write a directory encoding, replacing any existing directory as a whole."""
+    dest = Path(path)
+    if dest.exists() and not dest.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "cannot replace a file with a directory", str(dest))
+    tmp = _tmp_name(dest)
+    try:
+        tmp.mkdir()
+        _populate_dir(tmp, encoded, durable)
+        if dest.exists():
+            if _exchange(tmp, dest):
+                # tmp now holds the previous checkpoint
+                if durable:
+                    _fsync_dir(dest.parent)
+                shutil.rmtree(tmp, ignore_errors=True)
+                return
+            # No atomic exchange: move the old directory aside first.  A crash
+            # between the two renames leaves the old checkpoint at `old`.
+            old = _tmp_name(dest)
+            os.rename(dest, old)
+            os.rename(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, dest)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    if durable:
+        _fsync_dir(dest.parent)
+
+
+def write_atomic(
+    path: str | os.PathLike[str],
+    encoded: Encoded,
+    *,
+    layout: str,
+    locate: Any = None,
+    durable: bool = True,
+) -> None:
+    """Write ``encoded`` in the given layout (see :mod:`pytreeio.registry`)."""
+    if layout == "file":
+        if encoded.files is not None:
+            raise TypeError("a single-file format returned a multi-file encoding")
+        write_file_atomic(path, encoded, durable=durable)
+    elif layout == "dir":
+        write_dir_atomic(path, encoded, durable=durable)
+    elif layout == "files":
+        if encoded.files is None or locate is None:
+            raise TypeError("a multi-file format needs files and locate()")
+        roles = locate(Path(path))
+        unknown = set(encoded.files) - set(roles)
+        if unknown:
+            raise ValueError(f"encoding has files for unknown roles {sorted(unknown)}")
+        # Each file is atomic on its own; the order is the format's (data before sidecars).
+        for role, sub in encoded.files.items():
+            write_file_atomic(roles[role], sub, durable=durable)
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        pass
+
+
+# --------------------------------------------------------------------------
+# reading
+# --------------------------------------------------------------------------
+
+
+def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> memoryview:
+    """The whole file as a memoryview: read once into fresh memory, or mapped read-only."""
+    p = os.fspath(path)
+    with open(p, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if mmap:
+            if size == 0:
+                return memoryview(b"")
+            m = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_READ)
+            return memoryview(m)
+        # np.empty leaves the pages untouched until readinto fills them, which
+        # is measurably faster than bytearray(size)'s zero fill.
+        buf = np.empty(size, dtype=np.uint8)
+        view = buf.data
+        pos = 0
+        while pos < size:
+            n = f.readinto(view[pos:])
+            if not n:
+                raise OSError(errno.EIO, f"file shrank while reading ({pos} of {size} bytes)", p)
+            pos += n
+        return view
+
+
+class FileSource(ByteSource):
+    """A :class:`ByteSource` that ``pread``\\ s ranges of a file on demand."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.name = os.fspath(path)
+        self._fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.size = os.fstat(self._fd).st_size
+        self.bytes_read = 0
+
+    def _read(self, offset: int, n: int) -> memoryview:
+        out = bytearray(n)
+        view = memoryview(out)
+        pos = 0
+        while pos < n:
+            got = os.preadv(self._fd, [view[pos:]], offset + pos)
+            if got == 0:
+                raise OSError(errno.EIO, "file shrank while reading", self.name)
+            pos += got
+        return view
+
+    def view(self) -> memoryview:
+        """The whole file mapped read-only (pages are read only when touched)."""
+        if self.size == 0:
+            return memoryview(b"")
+        return memoryview(_mmap.mmap(self._fd, 0, access=_mmap.ACCESS_READ))
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> FileSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class DirFiles(Mapping[str, Any]):
+    """The files below a directory, by relative POSIX path, read on access.
+
+    ``headers=True`` yields :class:`FileSource` objects instead of whole
+    buffers (for ``inspect``).  Symlinks pointing outside the directory are
+    not followed.
+    """
+
+    def __init__(
+        self, root: str | os.PathLike[str], *, mmap: bool = False, headers: bool = False
+    ) -> None:
+        self.root = Path(root)
+        self._mmap = mmap
+        self._headers = headers
+        self._names = sorted(_walk(self.root))
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._names:
+            raise KeyError(name)
+        full = self.root.joinpath(*name.split("/"))
+        return FileSource(full) if self._headers else read_file(full, mmap=self._mmap)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def path_of(self, name: str) -> str:
+        return str(self.root.joinpath(*name.split("/")))
+
+
+def _walk(root: Path) -> Iterator[str]:
+    base = root.resolve()
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for fn in filenames:
+            full = Path(dirpath) / fn
+            if _TMP_MARK in fn:
+                continue
+            try:
+                real = full.resolve()
+            except OSError:
+                continue
+            if base not in real.parents:
+                continue
+            yield full.relative_to(root).as_posix()
+
+
+class LocatedFiles(Mapping[str, Any]):
+    """The existing files among a multi-file format's roles, read on access."""
+
+    def __init__(
+        self, roles: Mapping[str, Path], *, mmap: bool = False, headers: bool = False
+    ) -> None:
+        self.roles = {r: Path(p) for r, p in roles.items() if Path(p).is_file()}
+        self._mmap = mmap
+        self._headers = headers
+
+    def __getitem__(self, role: str) -> Any:
+        p = self.roles[role]
+        return FileSource(p) if self._headers else read_file(p, mmap=self._mmap)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.roles)
+
+    def __len__(self) -> int:
+        return len(self.roles)
+
+    def path_of(self, role: str) -> str:
+        return str(self.roles[role])

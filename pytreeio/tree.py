@@ -1,0 +1,507 @@
+"""Key paths: flattening, canonical key strings and restoring into ``like``.
+
+Canonical key strings join one component per level with ``/``:
+
+=================  ===============  =========================================
+tree level         component        example
+=================  ===============  =========================================
+``str`` dict key   the key          ``params/Dense_0/kernel``
+NamedTuple field   the field name   ``[0]/mu/w``  (optax ``ScaleByAdamState``)
+list/tuple index   ``[i]``          ``layers/[3]/wq``
+``int`` dict key   ``#i``           ``vocab/#-1``
+=================  ===============  =========================================
+
+Inside a ``str`` component ``\\`` and ``/`` are escaped as ``\\\\`` and ``\\/``,
+a leading ``[`` or ``#`` as ``\\[`` and ``\\#``, and the empty string is
+``\\_``; so every string maps to exactly one path and back.  The root leaf
+of a tree that is a single array has the empty key ``""``.
+
+The traversal handles dicts (and other ``Mapping``\\ s), lists, tuples,
+NamedTuples and ``None`` itself; other pytree node types (flax struct
+dataclasses, ...) are walked through jax's registry when jax is already
+imported.  jax is never imported by this module.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import MismatchError
+
+__all__ = [
+    "flatten",
+    "unflatten",
+    "restore",
+    "key_string",
+    "parse_key_string",
+    "iter_leaves",
+    "is_array_leaf",
+    "describe_leaf",
+    "MISSING",
+]
+
+Component = str | int | tuple[str, int]  # str key, int dict key, ("[", index) for sequences
+
+SEP = "/"
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+#: Marks an entry that the file does not hold (used while restoring).
+MISSING: Any = _Missing()
+
+
+# --------------------------------------------------------------------------
+# canonical key strings
+# --------------------------------------------------------------------------
+
+
+def _escape(name: str) -> str:
+    if name == "":
+        return "\\_"
+    out = name.replace("\\", "\\\\").replace(SEP, "\\" + SEP)
+    if out[0] in "[#":
+        out = "\\" + out
+    return out
+
+
+def component_string(c: Component) -> str:
+    """The canonical string of one path component."""
+    if isinstance(c, tuple):
+        return f"[{c[1]}]"
+    if isinstance(c, bool):
+        raise TypeError(f"bool dict keys are not supported in key paths: {c!r}")
+    if isinstance(c, int):
+        return f"#{c}"
+    return _escape(c)
+
+
+def key_string(path: Sequence[Component]) -> str:
+    """The canonical key string of a path of components."""
+    return SEP.join(component_string(c) for c in path)
+
+
+def parse_key_string(key: str) -> tuple[Component, ...]:
+    """Inverse of :func:`key_string`; raises ``ValueError`` for malformed keys."""
+    if key == "":
+        return ()
+    parts: list[str] = []
+    raw: list[bool] = []  # whether the part began with an escape (so is a plain str)
+    cur: list[str] = []
+    escaped_start = False
+    i = 0
+    n = len(key)
+    while i < n:
+        ch = key[i]
+        if ch == "\\":
+            if i + 1 >= n:
+                raise ValueError(f"dangling escape at the end of key {key!r}")
+            nxt = key[i + 1]
+            if nxt == "_" and not cur and (i + 2 == n or key[i + 2] == SEP):
+                escaped_start = True
+                cur.append("")
+            elif nxt in ("\\", SEP, "[", "#"):
+                if not cur:
+                    escaped_start = True
+                cur.append(nxt)
+            else:
+                raise ValueError(f"unknown escape '\\{nxt}' in key {key!r}")
+            i += 2
+            continue
+        if ch == SEP:
+            parts.append("".join(cur))
+            raw.append(escaped_start)
+            cur, escaped_start = [], False
+        else:
+            cur.append(ch)
+        i += 1
+    parts.append("".join(cur))
+    raw.append(escaped_start)
+    out: list[Component] = []
+    for text, plain in zip(parts, raw, strict=True):
+        if plain:
+            out.append(text)
+        elif text == "":
+            raise ValueError(f"empty component in key {key!r} (write an empty name as \\_)")
+        elif text[0] == "[":
+            if text[-1] != "]" or not _is_int(text[1:-1]) or text[1] == "-":
+                raise ValueError(f"bad sequence index {text!r} in key {key!r}")
+            out.append(("[", int(text[1:-1])))
+        elif text[0] == "#":
+            if not _is_int(text[1:]):
+                raise ValueError(f"bad int key {text!r} in key {key!r}")
+            out.append(int(text[1:]))
+        else:
+            out.append(text)
+    return tuple(out)
+
+
+def _is_int(text: str) -> bool:
+    body = text[1:] if text.startswith("-") else text
+    return body.isdigit() and body.isascii() and (body == "0" or not body.startswith("0"))
+
+
+# --------------------------------------------------------------------------
+# traversal
+# --------------------------------------------------------------------------
+
+_SCALAR_TYPES = (bool, int, float, complex, str, bytes)
+
+
+def is_array_leaf(x: Any) -> bool:
+    """True for numpy arrays/scalars, jax arrays and ``jax.ShapeDtypeStruct``."""
+    if isinstance(x, np.ndarray | np.generic):
+        return True
+    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, Mapping)
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def _sorted_keys(d: Mapping[Any, Any]) -> list[Any]:
+    keys = list(d.keys())
+    try:
+        return sorted(keys)
+    except TypeError:  # mixed key types: keep insertion order
+        return keys
+
+
+Children = tuple[list[tuple[Component, Any]], Callable[[list[Any]], Any]]
+
+
+def _children(node: Any) -> Children | None:
+    """One level of ``node``: ``(component, child)`` pairs and a rebuild function; None for a leaf."""
+    if node is None:
+        return [], lambda _: None
+    if isinstance(node, (np.ndarray | np.generic, _SCALAR_TYPES)):
+        return None
+    if isinstance(node, Mapping):
+        keys = _sorted_keys(node)
+        for k in keys:
+            if isinstance(k, bool) or not isinstance(k, str | int):
+                raise TypeError(
+                    f"dict keys must be str or int to form key paths, got {type(k).__name__} {k!r}"
+                )
+        cls = type(node)
+
+        def rebuild_mapping(values: list[Any], keys: list[Any] = keys, cls: Any = cls) -> Any:
+            d = dict(zip(keys, values, strict=True))
+            if cls is dict:
+                return d
+            try:
+                return cls(d)
+            except Exception:
+                return d
+
+        return [(k, node[k]) for k in keys], rebuild_mapping
+    if _is_namedtuple(node):
+        nt: Any = type(node)
+
+        def rebuild_namedtuple(values: list[Any]) -> Any:
+            return nt(*values)
+
+        return [(f, getattr(node, f)) for f in nt._fields], rebuild_namedtuple
+    if isinstance(node, list | tuple):
+        seq_cls: Any = type(node)
+
+        def rebuild_sequence(values: list[Any]) -> Any:
+            return seq_cls(values)
+
+        return [(("[", i), x) for i, x in enumerate(node)], rebuild_sequence
+    if hasattr(node, "shape") and hasattr(node, "dtype"):
+        return None
+    return _jax_children(node)
+
+
+def _jax_children(node: Any) -> Children | None:
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return None
+    tu = jax.tree_util
+    pairs, treedef = tu.tree_flatten_with_path(node, is_leaf=lambda y: y is not node)
+    if treedef.num_nodes == 1 and len(pairs) == 1 and pairs[0][1] is node:
+        return None  # a leaf to jax too
+    out: list[Component] = []
+    for path, _child in pairs:
+        (entry,) = path
+        if isinstance(entry, tu.GetAttrKey):
+            out.append(entry.name)
+        elif isinstance(entry, tu.DictKey):
+            out.append(entry.key if isinstance(entry.key, int | str) else str(entry.key))
+        elif isinstance(entry, tu.SequenceKey):
+            out.append(("[", entry.idx))
+        else:  # FlattenedIndexKey and unknown entries
+            out.append(("[", getattr(entry, "key", len(out))))
+    return list(zip(out, [c for _, c in pairs], strict=True)), treedef.unflatten
+
+
+def iter_leaves(
+    tree: Any, prefix: tuple[Component, ...] = ()
+) -> Iterator[tuple[tuple[Component, ...], Any]]:
+    """``(path, leaf)`` pairs in canonical order; ``None`` and empty containers yield nothing."""
+    kids = _children(tree)
+    if kids is None:
+        yield prefix, tree
+        return
+    for comp, child in kids[0]:
+        yield from iter_leaves(child, (*prefix, comp))
+
+
+def flatten(tree: Any) -> dict[str, Any]:
+    """``{canonical key string: leaf}`` in traversal order (dict keys sorted where sortable)."""
+    out: dict[str, Any] = {}
+    for path, leaf in iter_leaves(tree):
+        out[key_string(path)] = leaf
+    return out
+
+
+def _nest(flat: Mapping[str, Any], *, dense: bool = True) -> Any:
+    """Nested dicts/lists from canonical keys (lists where the level is ``[i]``).
+
+    With ``dense=False`` a level whose indices have gaps (empty subtrees
+    flatten to nothing) becomes a dict keyed by index, for :func:`restore`.
+    """
+    if "" in flat:
+        if len(flat) != 1:
+            raise ValueError("a root leaf (key '') cannot be combined with other keys")
+        return flat[""]
+    root: dict[Any, Any] = {}
+    for key, leaf in flat.items():
+        path = parse_key_string(key)
+        node = root
+        for comp in path[:-1]:
+            node = node.setdefault(comp, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"key {key!r} descends into a leaf")
+        if path[-1] in node:
+            raise ValueError(f"key {key!r} is given twice or descends into a subtree")
+        node[path[-1]] = leaf
+    return _lists_from_index_dicts(root, dense)
+
+
+def _lists_from_index_dicts(node: Any, dense: bool) -> Any:
+    if not isinstance(node, dict):
+        return node
+    items = {k: _lists_from_index_dicts(v, dense) for k, v in node.items()}
+    idx = [k for k in items if isinstance(k, tuple)]
+    if not idx:
+        return items
+    if len(idx) != len(items):
+        raise ValueError("a level mixes sequence indices [i] with dict keys")
+    positions = sorted(k[1] for k in idx)
+    if positions != list(range(len(positions))):
+        if not dense:
+            return {k[1]: v for k, v in items.items()}
+        raise ValueError(f"sequence indices are not 0..{len(positions) - 1}: {positions}")
+    return [items[("[", i)] for i in range(len(positions))]
+
+
+def unflatten(flat: Mapping[str, Any], like: Any = None) -> Any:
+    """Inverse of :func:`flatten`.
+
+    Without ``like`` the tree is rebuilt from the keys alone (``[i]`` levels
+    become lists, everything else dicts).  With ``like`` it takes ``like``'s
+    exact structure (tuples, NamedTuples, ``None``, custom nodes), and every
+    leaf is checked against ``like``'s leaf (see :func:`restore`).
+    """
+    if like is None:
+        return _nest(flat)
+    return restore(_nest(flat, dense=False), like)
+
+
+# --------------------------------------------------------------------------
+# restoring a native tree into the structure of `like`
+# --------------------------------------------------------------------------
+
+
+def describe_leaf(x: Any) -> str:
+    """``float32[3, 4]``-style description of a leaf, for error messages."""
+    if x is MISSING:
+        return "nothing"
+    if x is None:
+        return "None"
+    if is_array_leaf(x):
+        return f"{np.dtype(x.dtype).name}{list(x.shape)}"
+    return type(x).__name__
+
+
+def _has_leaves(like: Any) -> bool:
+    return next(iter_leaves(like), None) is not None if like is not None else False
+
+
+def _lookup(native: Any, comp: Component) -> Any:
+    """Child of ``native`` for ``comp``: tries the key itself and its string form (state dicts)."""
+    if isinstance(native, Mapping):
+        if isinstance(comp, tuple):
+            for k in (comp[1], str(comp[1])):
+                if k in native:
+                    return native[k]
+            return MISSING
+        if comp in native:
+            return native[comp]
+        if isinstance(comp, int) and str(comp) in native:
+            return native[str(comp)]
+        return MISSING
+    if _is_namedtuple(native) and isinstance(comp, str):
+        return getattr(native, comp, MISSING)
+    if isinstance(native, list | tuple):
+        if isinstance(comp, tuple):
+            i = comp[1]
+            return native[i] if 0 <= i < len(native) else MISSING
+        return MISSING
+    return MISSING
+
+
+def _native_keys(native: Any) -> set[Any] | None:
+    if isinstance(native, Mapping):
+        return set(native.keys())
+    if isinstance(native, list | tuple):
+        return set(range(len(native)))
+    return None
+
+
+def _holds_data(native: Any, key: Any) -> bool:
+    """Whether an entry the caller's ``like`` lacks would lose data if ignored."""
+    value = native[key]
+    if value is None:
+        return False
+    if isinstance(value, Mapping | list | tuple) and not _is_namedtuple(value):
+        return len(value) > 0
+    return True
+
+
+def _consumed_key(native: Any, comp: Component) -> Any:
+    if isinstance(native, Mapping):
+        if isinstance(comp, tuple):
+            return comp[1] if comp[1] in native else str(comp[1])
+        if comp in native:
+            return comp
+        return str(comp)
+    if _is_namedtuple(native) and isinstance(comp, str):
+        return type(native)._fields.index(comp)
+    if isinstance(comp, tuple):
+        return comp[1]
+    return comp
+
+
+def restore(
+    native: Any, like: Any, *, path: tuple[Component, ...] = (), convert: bool = True
+) -> Any:
+    """Rebuild ``like``'s structure from the ``native`` tree a format decoded.
+
+    ``native`` may spell sequences as lists or as dicts keyed ``'0'``, ``'1'``
+    (flax state dicts) and int keys as strings; ``like``'s structure wins.
+    Every array leaf must match ``like``'s shape and dtype exactly (nothing is
+    cast); entries ``like`` lacks or the file lacks raise :class:`MismatchError`
+    naming the key path.  Leaves come back as the kind ``like`` holds: numpy
+    for numpy, jax arrays (on ``like``'s sharding) for jax arrays and
+    ``ShapeDtypeStruct``, Python scalars for Python scalars.
+    """
+    kids = _children(like)
+    if kids is None:
+        return _restore_leaf(native, like, path, convert)
+    pairs, rebuild = kids
+    if native is MISSING or native is None:
+        if _has_leaves(like):
+            raise MismatchError(
+                "the file has no entry here",
+                key_path=key_string(path),
+                expected="a subtree",
+                found=describe_leaf(native),
+            )
+        return (
+            like
+            if like is None
+            else rebuild([restore(MISSING, c, path=(*path, k)) for k, c in pairs])
+        )
+    if is_array_leaf(native) or isinstance(native, _SCALAR_TYPES):
+        raise MismatchError(
+            "the file has a leaf where a subtree is expected",
+            key_path=key_string(path),
+            expected=type(like).__name__,
+            found=describe_leaf(native),
+        )
+    values = []
+    consumed = set()
+    for comp, child_like in pairs:
+        child_native = _lookup(native, comp)
+        if child_native is not MISSING:
+            consumed.add(_consumed_key(native, comp))
+        values.append(restore(child_native, child_like, path=(*path, comp), convert=convert))
+    extra = {k for k in (_native_keys(native) or set()) - consumed if _holds_data(native, k)}
+    if extra:
+        names = sorted(str(k) for k in extra)
+        raise MismatchError(
+            f"the file has entries that `like` lacks: {names[:10]}{' ...' if len(names) > 10 else ''}",
+            key_path=key_string(path),
+        )
+    return rebuild(values)
+
+
+def _restore_leaf(native: Any, like: Any, path: tuple[Component, ...], convert: bool) -> Any:
+    key = key_string(path)
+    if native is MISSING:
+        raise MismatchError(
+            "missing from the file", key_path=key, expected=describe_leaf(like), found="nothing"
+        )
+    if is_array_leaf(like):
+        if not is_array_leaf(native):
+            raise MismatchError(
+                "type differs",
+                key_path=key,
+                expected=describe_leaf(like),
+                found=describe_leaf(native),
+            )
+        want_shape = tuple(like.shape)
+        want_dtype = np.dtype(like.dtype)
+        if tuple(native.shape) != want_shape or np.dtype(native.dtype) != want_dtype:
+            raise MismatchError(
+                "shape or dtype differs",
+                key_path=key,
+                expected=describe_leaf(like),
+                found=describe_leaf(native),
+            )
+        return _as_kind_of(native, like) if convert else native
+    if isinstance(like, _SCALAR_TYPES):
+        value = native
+        if is_array_leaf(native) and tuple(native.shape) == ():
+            value = np.asarray(native)[()].item()
+        ok = isinstance(value, type(like)) or (
+            isinstance(like, float) and isinstance(value, int) and not isinstance(value, bool)
+        )
+        if isinstance(like, int) and not isinstance(like, bool) and isinstance(value, bool):
+            ok = False
+        if not ok:
+            raise MismatchError(
+                "type differs",
+                key_path=key,
+                expected=type(like).__name__,
+                found=describe_leaf(native),
+            )
+        return type(like)(value)
+    return native
+
+
+def _as_kind_of(arr: Any, like: Any) -> Any:
+    """``arr`` as the kind of array ``like`` is (numpy, numpy scalar, jax array)."""
+    if isinstance(like, np.generic):
+        return np.asarray(arr)[()]
+    if isinstance(like, np.ndarray):
+        return np.asarray(arr)
+    module = type(like).__module__
+    if module.startswith("jax") or module.startswith("jaxlib"):
+        import jax
+
+        sharding = getattr(like, "sharding", None)
+        if sharding is not None:
+            return jax.device_put(arr, sharding)
+        return jax.numpy.asarray(arr)
+    return arr

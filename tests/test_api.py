@@ -1,0 +1,141 @@
+"""Dispatch: choosing formats, errors, inspect, convert, the import footprint."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pytreeio as ptio
+from pytreeio import cli
+
+
+def test_format_chosen_by_suffix_on_save_and_by_content_on_load(tmp_path: Path) -> None:
+    tree = {"w": np.arange(4, dtype=np.float32)}
+    ptio.save(tmp_path / "a.msgpack", tree)
+    ptio.save(tmp_path / "b.safetensors", tree)
+    # a misleading name does not matter on load: the content decides
+    (tmp_path / "a.msgpack").rename(tmp_path / "a.weights")
+    (tmp_path / "b.safetensors").rename(tmp_path / "b.weights")
+    assert ptio.inspect(tmp_path / "a.weights").format == "msgpack"
+    assert ptio.inspect(tmp_path / "b.weights").format == "safetensors"
+    assert ptio.load(tmp_path / "b.weights")["w"].tolist() == [0, 1, 2, 3]
+
+
+def test_unknown_and_ambiguous_formats(tmp_path: Path) -> None:
+    with pytest.raises(ptio.UnknownFormatError, match="format="):
+        ptio.save(tmp_path / "x.bin", {"a": np.ones(1)})
+    with pytest.raises(ptio.UnknownFormatError, match="known formats"):
+        ptio.save(tmp_path / "x.msgpack", {"a": np.ones(1)}, format="nope")
+    (tmp_path / "junk").write_bytes(b"\x00\x01\x02 not a checkpoint")
+    with pytest.raises(ptio.UnknownFormatError):
+        ptio.load(tmp_path / "junk")
+    with pytest.raises(FileNotFoundError):
+        ptio.load(tmp_path / "missing.msgpack")
+
+
+def test_formats_lists_the_builtins_and_stays_callable() -> None:
+    names = set(ptio.formats())
+    assert {"msgpack", "safetensors"} <= names
+    import pytreeio.fmt.msgpack  # noqa: F401  (importing a format module must not shadow the function)
+
+    assert callable(ptio.formats) and set(ptio.formats()) == names
+
+
+def test_info_is_readable_and_json(tmp_path: Path) -> None:
+    path = tmp_path / "x.safetensors"
+    ptio.save(path, {"params": {"w": np.ones((2, 3), np.float32)}}, meta={"epoch": 1})
+    info = ptio.inspect(path)
+    text = str(info)
+    assert "safetensors" in text and "params/w" in text and "[2, 3]" in text and "float32" in text
+    doc = info.to_json()
+    assert doc["entries"] == [
+        {"name": "params/w", "shape": [2, 3], "dtype": "float32", "nbytes": 24}
+    ]
+    assert doc["meta"] == {"epoch": 1} and doc["nbytes"] == 24
+
+
+def test_convert_between_formats(tmp_path: Path) -> None:
+    tree = {"a": {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, "n": 4}
+    ptio.save(tmp_path / "src.msgpack", tree)
+    ptio.convert(tmp_path / "src.msgpack", tmp_path / "dst.safetensors", to="safetensors")
+    out = ptio.load(tmp_path / "dst.safetensors", like=tree)
+    assert out["a"]["w"].tobytes() == tree["a"]["w"].tobytes() and out["n"] == 4
+    ptio.save(tmp_path / "m.safetensors", tree, meta={"k": 1})
+    with pytest.warns(UserWarning, match="cannot store meta"):
+        ptio.convert(tmp_path / "m.safetensors", tmp_path / "back.msgpack", to="msgpack")
+
+
+def test_errors_pickle_and_carry_their_fields() -> None:
+    e = ptio.FormatError("bad", path="f", offset=3, field="x")
+    e2 = pickle.loads(pickle.dumps(e))
+    assert (e2.path, e2.offset, e2.field, str(e2)) == ("f", 3, "x", str(e))
+    m = pickle.loads(
+        pickle.dumps(ptio.MismatchError("differs", key_path="a/b", expected=1, found=2))
+    )
+    assert m.key_path == "a/b" and "expected 1, found 2" in str(m)
+    assert issubclass(ptio.FormatError, ValueError) and issubclass(
+        ptio.QuantisationError, OverflowError
+    )
+
+
+def test_cli_formats_inspect_verify_convert(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "a.msgpack"
+    ptio.save(src, {"w": np.ones(3, np.float32)})
+    assert cli.main(["formats"]) == 0
+    assert "msgpack" in capsys.readouterr().out
+    assert cli.main(["inspect", str(src), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["entries"][0]["name"] == "w"
+    assert cli.main(["verify", str(src)]) == 0
+    assert "OK" in capsys.readouterr().out
+    assert (
+        cli.main(["convert", str(src), str(tmp_path / "b.safetensors"), "--to", "safetensors"]) == 0
+    )
+    assert ptio.load(tmp_path / "b.safetensors")["w"].tolist() == [1, 1, 1]
+    (tmp_path / "bad.msgpack").write_bytes(src.read_bytes()[:-2])
+    assert cli.main(["verify", str(tmp_path / "bad.msgpack")]) == 1
+    err = capsys.readouterr().err
+    assert "bad.msgpack" in err and "offset" in err
+
+
+def test_import_and_inspect_do_not_import_jax_flax_optax(tmp_path: Path) -> None:
+    path = tmp_path / "a.safetensors"
+    ptio.save(path, {"w": np.ones(3, np.float32)})
+    code = (
+        "import sys, pytreeio\n"
+        "from pytreeio import cli\n"
+        f"assert cli.main(['inspect', {str(path)!r}]) == 0\n"
+        "assert cli.main(['formats']) == 0\n"
+        "heavy = sorted(m for m in ('jax', 'flax', 'optax', 'jaxlib') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_demo_runs_and_resumes_exactly(tmp_path: Path) -> None:
+    from pytreeio.demo import run_demo
+
+    assert run_demo(str(tmp_path), steps=3) == 0
+
+
+def test_sniffing_does_not_depend_on_import_order(tmp_path: Path) -> None:
+    # A safetensors header length whose low byte looks like a msgpack map header.
+    tree = {"w": np.ones(2, np.float32)}
+    for pad in range(64):
+        blob = ptio.encode({**tree, "k" * (pad + 1): np.ones(1, np.int8)}, "safetensors").tobytes()
+        if 0x80 <= blob[0] <= 0x8F:
+            break
+    else:
+        pytest.fail("no header length in the msgpack map range found")
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(blob)
+    import pytreeio.fmt.msgpack  # noqa: F401
+
+    assert ptio.inspect(path).format == "safetensors"

@@ -1,0 +1,359 @@
+"""netcl formats without netcl itself: byte layout, config inference, Flax mapping, optax resume."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pytreeio as ptio
+from pytreeio.errors import FormatError, MismatchError
+from pytreeio.fmt import netcl as nc
+
+RNG = np.random.default_rng(0)
+
+
+def f32(*shape: int) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+MLP = [{"weight": f32(4, 8), "bias": f32(8)}, {}, {"weight": f32(8, 3), "bias": f32(3)}]
+MLP_CONFIG = ["Linear", "ReLU", "Linear"]
+
+
+def netcl_savez_reference(layers: list[dict], config: list[dict]) -> bytes:
+    """What netcl's save_model does, step for step, with numpy."""
+    arrays = {f"{i}:{k}": v for i, layer in enumerate(layers) for k, v in layer.items()}
+    doc = {"type": "Sequential", "config": config, "version": 2, "format": "netcl.single-file"}
+    arrays["__netcl_meta__"] = np.array(json.dumps(doc), dtype=np.str_)
+    f = io.BytesIO()
+    np.savez(f, **arrays)
+    return f.getvalue()
+
+
+def test_model_file_is_byte_identical_to_netcl_save_model(tmp_path: Path) -> None:
+    p = tmp_path / "mlp.netcl"
+    ptio.save(p, MLP, meta={"config": MLP_CONFIG})
+    full = [
+        {"type": "Linear", "args": {"in_features": 4, "out_features": 8, "bias": True}},
+        {"type": "ReLU", "args": {}},
+        {"type": "Linear", "args": {"in_features": 8, "out_features": 3, "bias": True}},
+    ]
+    assert p.read_bytes() == netcl_savez_reference(MLP, full)
+    with zipfile.ZipFile(p) as z:
+        names = [i.filename for i in z.infolist()]
+        assert names[-1] == "__netcl_meta__.npy"
+        assert all(i.compress_type == zipfile.ZIP_STORED for i in z.infolist())
+    back = ptio.load(p)
+    assert [sorted(layer) for layer in back] == [["bias", "weight"], [], ["bias", "weight"]]
+    np.testing.assert_array_equal(back[0]["weight"], MLP[0]["weight"])
+    assert ptio.inspect(p).meta["config"] == full
+    # round trip: native tree + meta -> identical bytes
+    native, meta = ptio.load_with_meta(p)
+    q = tmp_path / "again.netcl"
+    ptio.save(q, native, meta=meta)
+    assert q.read_bytes() == p.read_bytes()
+
+
+def test_config_inference_and_errors() -> None:
+    only_params = [
+        {"weight": f32(4, 8)},
+        {"gamma": f32(8), "beta": f32(8), "running_mean": f32(8), "running_var": f32(8)},
+    ]
+    enc = nc._encode_model(only_params, meta=None)
+    meta = nc._decode_model({"model": enc.files["model"].tobytes()}).meta
+    assert meta["config"] == [
+        {"type": "Linear", "args": {"in_features": 4, "out_features": 8, "bias": False}},
+        {"type": "BatchNorm2d", "args": {"num_features": 8, "momentum": 0.1, "eps": 1e-05}},
+    ]
+    with pytest.raises(MismatchError, match="layer 1 has no parameters") as e:
+        nc._encode_model(MLP, meta=None)
+    assert "meta.config[1]" in str(e.value)
+    with pytest.raises(MismatchError, match="shape"):
+        nc._encode_model(
+            MLP, meta={"config": [{"type": "Linear", "args": {"in_features": 5}}, "ReLU", "Linear"]}
+        )
+    with pytest.raises(MismatchError, match="unknown layer type"):
+        nc._encode_model(MLP, meta={"config": ["Linear", "GELU", "Linear"]})
+    with pytest.raises(MismatchError, match="unknown args"):
+        nc._encode_model(
+            MLP, meta={"config": ["Linear", {"type": "ReLU", "args": {"x": 1}}, "Linear"]}
+        )
+
+
+def test_all_layer_types_round_trip() -> None:
+    layers = [
+        {"weight": f32(4, 3, 3, 3), "bias": f32(4)},
+        {"gamma": f32(4), "beta": f32(4), "running_mean": f32(4), "running_var": f32(4)},
+        {}, {}, {}, {}, {}, {}, {},
+        {"weight": f32(16, 5), "bias": f32(5)},
+    ]  # fmt: skip
+    config = [
+        {"type": "Conv2d", "args": {"pad": 1}}, "BatchNorm2d", "ReLU", "MaxPool2d",
+        {"type": "LeakyReLU", "args": {"negative_slope": 0.2}}, "Sigmoid", "Tanh", "Flatten",
+        {"type": "Dropout", "args": {"p": 0.3, "seed": 1}}, "Linear",
+    ]  # fmt: skip
+    raw = nc._encode_model(layers, meta={"config": config}).files["model"].tobytes()
+    tree, meta = nc._decode_model({"model": raw})
+    assert [c["type"] for c in meta["config"]] == [
+        "Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d", "LeakyReLU", "Sigmoid", "Tanh", "Flatten", "Dropout", "Linear",
+    ]  # fmt: skip
+    assert meta["config"][0]["args"] == {
+        "in_channels": 3, "out_channels": 4, "kernel_size": 3, "stride": 1, "pad": 1, "bias": True,
+        "dilation": 1, "groups": 1,
+    }  # fmt: skip
+    assert meta["config"][8]["args"] == {"p": 0.3, "seed": 1}
+    for a, b in zip(tree, layers):
+        assert list(a) == list(b)
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_legacy_pair_and_netcl_fallback(tmp_path: Path) -> None:
+    raw = nc._encode_model(MLP, meta={"config": MLP_CONFIG}).files["model"].tobytes()
+    _tree, meta = nc._decode_model({"model": raw})
+    stem = tmp_path / "legacy"
+    arrays = {f"{i}:{k}": v for i, layer in enumerate(MLP) for k, v in layer.items()}
+    np.savez(str(stem) + ".npz", **arrays)
+    legacy_meta = {
+        "type": "Sequential",
+        "version": 1,
+        "layers": [{"type": c["type"], **c["args"]} for c in meta["config"]],
+    }
+    Path(str(stem) + ".json").write_text(json.dumps(legacy_meta))
+    back = ptio.load(stem)
+    np.testing.assert_array_equal(back[2]["weight"], MLP[2]["weight"])
+    assert ptio.load_with_meta(stem)[1]["version"] == 1
+    fb = tmp_path / "fallback"
+    Path(str(fb) + ".netcl").write_bytes(raw)
+    np.testing.assert_array_equal(ptio.load(fb)[0]["bias"], MLP[0]["bias"])
+
+
+def test_model_file_hostile_content() -> None:
+    bad_meta = {
+        "0:weight": np.ones((2, 2), np.float32),
+        "__netcl_meta__": np.array("{not json", dtype=np.str_),
+    }
+    f = io.BytesIO()
+    np.savez(f, **bad_meta)
+    with pytest.raises(FormatError, match="JSON"):
+        nc._decode_model({"model": f.getvalue()})
+    f = io.BytesIO()
+    np.savez(f, **{"0:weight": np.ones((2, 2), np.float32)})
+    with pytest.raises(FormatError, match="missing NetCL metadata"):
+        nc._decode_model({"model": f.getvalue()})
+    doc = {
+        "type": "Sequential",
+        "config": [{"type": "Linear", "args": {"in_features": 3, "out_features": 2}}],
+    }
+    f = io.BytesIO()
+    np.savez(
+        f, **{"0:weight": np.ones((2, 2), np.float32), "__netcl_meta__": np.array(json.dumps(doc))}
+    )
+    with pytest.raises(FormatError, match="shape"):
+        nc._decode_model({"model": f.getvalue()})
+    raw = nc._encode_model(MLP, meta={"config": MLP_CONFIG}).files["model"].tobytes()
+    for n in range(0, len(raw), 7):
+        with pytest.raises(FormatError):
+            nc._decode_model({"model": raw[:n]})
+
+
+# --------------------------------------------------------------------------
+# Flax
+# --------------------------------------------------------------------------
+
+
+def _flax_cnn() -> tuple[dict, list]:
+    import flax.linen as nn
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+            x = nn.Conv(4, (3, 3), padding=1)(x)
+            x = nn.BatchNorm(use_running_average=not train)(x)
+            x = nn.relu(x)
+            x = x.reshape((x.shape[0], -1))
+            return nn.Dense(5)(x)
+
+    variables = CNN().init(jax.random.PRNGKey(0), jnp.ones((1, 4, 4, 3)))
+    config = [{"type": "Conv2d", "args": {"pad": 1}}, "BatchNorm2d", "ReLU", "Flatten", "Linear"]
+    return jax.tree.map(np.asarray, dict(variables)), config
+
+
+def test_flax_cnn_maps_to_netcl_indices_and_back(tmp_path: Path) -> None:
+    variables, config = _flax_cnn()
+    variables["batch_stats"]["BatchNorm_0"]["mean"] = f32(4)
+    p = tmp_path / "cnn.netcl"
+    ptio.save(p, variables, format="netcl", meta={"config": config})
+    native = ptio.load(p)
+    kernel = variables["params"]["Conv_0"]["kernel"]
+    np.testing.assert_array_equal(native[0]["weight"], kernel.transpose(3, 2, 0, 1))
+    np.testing.assert_array_equal(
+        native[1]["running_mean"], variables["batch_stats"]["BatchNorm_0"]["mean"]
+    )
+    np.testing.assert_array_equal(native[4]["weight"], variables["params"]["Dense_0"]["kernel"])
+    back = ptio.load(p, like=variables)
+    jax.tree.map(np.testing.assert_array_equal, back, variables)
+    abstract = jax.eval_shape(lambda: variables)
+    back2 = ptio.load(p, like=abstract)
+    jax.tree.map(np.testing.assert_array_equal, back2, variables)
+    with pytest.raises(MismatchError, match="batch_stats"):
+        ptio.load(p, like=variables["params"])
+    with pytest.raises(MismatchError, match="layer order"):
+        ptio.save(tmp_path / "x.netcl", variables)
+
+
+def test_flax_layers_n_naming(tmp_path: Path) -> None:
+    params = {
+        "layers_0": {"kernel": f32(4, 8), "bias": f32(8)},
+        "layers_2": {"kernel": f32(8, 3), "bias": f32(3)},
+    }
+    p = tmp_path / "seq.netcl"
+    with pytest.raises(MismatchError, match="layer 1 has no parameters"):
+        ptio.save(p, params)
+    ptio.save(p, {"params": params}, meta={"config": MLP_CONFIG})
+    back = ptio.load(p, like={"params": params})
+    jax.tree.map(np.testing.assert_array_equal, back, {"params": params})
+
+
+# --------------------------------------------------------------------------
+# checkpoints, raw params, optax exact resume
+# --------------------------------------------------------------------------
+
+
+def _loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
+    h = jax.nn.relu(x @ params["Dense_0"]["kernel"] + params["Dense_0"]["bias"])
+    out = h @ params["Dense_1"]["kernel"] + params["Dense_1"]["bias"]
+    return jnp.mean((out - y) ** 2)
+
+
+def _train(
+    opt: optax.GradientTransformation, params: dict, state: optax.OptState, steps: int, start: int
+) -> tuple:
+    @jax.jit
+    def step(params: dict, state: optax.OptState, i: jax.Array) -> tuple:
+        key = jax.random.fold_in(jax.random.PRNGKey(1), i)
+        x = jax.random.normal(key, (16, 4))
+        y = jnp.sin(x[:, :3])
+        grads = jax.grad(_loss)(params, x, y)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for i in range(start, start + steps):
+        params, state = step(params, state, i)
+    return params, state
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [
+        optax.adamw(1e-2),
+        optax.adam(3e-3),
+        optax.sgd(1e-2, momentum=0.9),
+        optax.adamw(optax.linear_schedule(1e-2, 1e-3, 20)),
+    ],
+    ids=["adamw", "adam", "sgd-momentum", "adamw-schedule"],
+)
+def test_exact_resume_through_netcl_checkpoint(
+    tmp_path: Path, opt: optax.GradientTransformation
+) -> None:
+    params = {
+        "Dense_0": {"kernel": jnp.asarray(f32(4, 8)), "bias": jnp.zeros(8)},
+        "Dense_1": {"kernel": jnp.asarray(f32(8, 3)), "bias": jnp.zeros(3)},
+    }
+    state = opt.init(params)
+    ref_p, ref_s = _train(opt, params, state, 10, 0)
+    mid_p, mid_s = _train(opt, params, state, 6, 0)
+    p = tmp_path / "ckpt" / "iter_6"
+    p.parent.mkdir()
+    ptio.save(
+        p, {"params": mid_p, "optim_state": mid_s, "config": {"step": 6}}, format="netcl-checkpoint"
+    )
+    assert (tmp_path / "ckpt" / "iter_6.npz").is_file() and (
+        tmp_path / "ckpt" / "iter_6.json"
+    ).is_file()
+    doc = json.loads((tmp_path / "ckpt" / "iter_6.json").read_text())
+    assert list(doc) == ["optim_state", "config"]
+    assert ("t" in doc["optim_state"]) != ("velocity" in doc["optim_state"])
+    like = {"params": params, "optim_state": state, "config": {}}
+    loaded = ptio.load(p, like=like, format="netcl-checkpoint")
+    assert loaded["config"] == {"step": 6}
+    res_p, res_s = _train(opt, loaded["params"], loaded["optim_state"], 4, 6)
+    for a, b in zip(jax.tree.leaves((res_p, res_s)), jax.tree.leaves((ref_p, ref_s))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    native = ptio.load(p, format="netcl-checkpoint")
+    assert list(native["params"]) == ["p0", "p1", "p2", "p3"]
+
+
+def test_conv_moments_are_transposed_like_the_kernel(tmp_path: Path) -> None:
+    variables, config = _flax_cnn()
+    params = variables["params"]
+    opt = optax.adam(1e-3)
+    state = opt.init(params)
+    grads = jax.tree.map(lambda x: jnp.ones_like(x) * 0.5, params)
+    _, state = opt.update(grads, state, params)
+    p = tmp_path / "c"
+    ptio.save(p, {"params": params, "optim_state": state}, format="netcl-checkpoint", layers=config)
+    doc = json.loads(Path(str(p) + ".json").read_text())
+    m0 = np.asarray(doc["optim_state"]["moments"][0][0], np.float32)
+    np.testing.assert_array_equal(
+        m0, np.asarray(state[0].mu["Conv_0"]["kernel"]).transpose(3, 2, 0, 1)
+    )
+    back = ptio.load(
+        p, like={"params": params, "optim_state": state}, format="netcl-checkpoint", layers=config
+    )
+    for a, b in zip(jax.tree.leaves(back["optim_state"]), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_netcl_params_errors_have_netcl_wording(tmp_path: Path) -> None:
+    p = tmp_path / "raw.npz"
+    ptio.save(p, [f32(2, 3), f32(3)], format="netcl-params", names=["fc.weight", "fc.bias"])
+    with np.load(p) as z:
+        assert z.files == ["fc.weight", "fc.bias"]
+    with pytest.raises(KeyError) as e:
+        ptio.load(
+            p, like=[np.zeros((2, 3), np.float32), np.zeros(3, np.float32)], format="netcl-params"
+        )
+    assert isinstance(e.value, nc.NetclMissingParamError) and isinstance(e.value, MismatchError)
+    assert "missing param p0 in checkpoint" in str(e.value)
+    with pytest.raises(
+        ValueError, match=r"shape mismatch for fc.bias: ckpt \(3,\) vs param \(4,\)"
+    ) as e2:
+        ptio.load(
+            p, like=[np.zeros((2, 3), np.float32), np.zeros(4, np.float32)], format="netcl-params",
+            names=["fc.weight", "fc.bias"],
+        )  # fmt: skip
+    assert isinstance(e2.value, nc.NetclShapeMismatchError)
+    back = ptio.load(
+        p,
+        like=[np.zeros((2, 3), np.float32), np.zeros(3, np.float32)],
+        format="netcl-params",
+        names=["fc.weight", "fc.bias"],
+    )
+    assert back[0].shape == (2, 3)
+
+
+def test_checkpoint_json_hostile(tmp_path: Path) -> None:
+    npz = nc._encode_params([f32(2)], meta=None).files["npz"].tobytes()
+    for bad in (b"[1, 2]", b"{", b"\xff\xfe", b"[" * 100000):
+        with pytest.raises(FormatError):
+            nc._decode_checkpoint({"npz": npz, "json": bad})
+    opt = optax.adam(1e-3)
+    like = {"params": [np.zeros(2, np.float32)], "optim_state": opt.init([jnp.zeros(2)])}
+    for state in (
+        {"t": 1, "moments": [[["a", "b"], [0, 0]]]},
+        {"t": -1, "moments": []},
+        {"t": 1, "moments": [[[1e300, 0], [0, 0]]]},
+    ):
+        doc = json.dumps({"optim_state": state, "config": {}}).encode()
+        native, meta = nc._decode_checkpoint({"npz": npz, "json": doc})
+        with pytest.raises((FormatError, MismatchError)):
+            nc._restore_checkpoint(native, meta, like)
