@@ -115,7 +115,11 @@ class Reader:
         return st.unpack_from(self.view, pos)[0]
 
     def u8(self, field: str) -> int:
-        return int(self._unpack(_U8, field))
+        pos = self.pos
+        if pos >= len(self.view):
+            raise self.error("truncated: needs 1 byte, none remain", field)
+        self.pos = pos + 1
+        return self.view[pos]  # type: ignore[no-any-return]
 
     def u16(self, field: str) -> int:
         return int(self._unpack(_U16, field))
@@ -240,6 +244,10 @@ class Writer:
 
     def raw(self, data: Buffer) -> None:
         """Append bytes; large buffers are referenced, small ones copied."""
+        if type(data) is bytes and len(data) < 4096:
+            self._pending += data
+            self.nbytes += len(data)
+            return
         view = as_memoryview(data)
         n = len(view)
         if n >= 4096:

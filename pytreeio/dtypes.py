@@ -39,6 +39,8 @@ _DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
 _DTYPES["float8_e4m3fn"] = np.dtype(ml_dtypes.float8_e4m3fn)
 _DTYPES["float8_e5m2"] = np.dtype(ml_dtypes.float8_e5m2)
 
+_PLAIN: frozenset[np.dtype[Any]] = frozenset(_DTYPES.values())
+
 #: The accepted dtype names.
 NAMES: frozenset[str] = frozenset(_DTYPES)
 
@@ -50,6 +52,8 @@ def by_name(name: str) -> np.dtype[Any] | None:
 
 def check_plain(dtype: np.dtype[Any]) -> str | None:
     """Why ``dtype`` cannot be stored (object, structured, unknown), or None if it can."""
+    if dtype in _PLAIN:
+        return None
     if dtype.hasobject:
         return "object arrays cannot be stored"
     if dtype.fields is not None:

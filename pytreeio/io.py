@@ -25,6 +25,7 @@ import os
 import secrets
 import shutil
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -229,27 +230,54 @@ def _remove_quietly(path: Path) -> None:
 # --------------------------------------------------------------------------
 
 
+# Files at least this large are read by several threads: filling fresh memory
+# costs a page fault and a kernel zero-fill per page, which a single reader
+# pays serially (~20% below a read into already-touched memory).
+_PARALLEL_MIN = 64 << 20
+_PARALLEL_BLOCK = 16 << 20
+_PARALLEL_THREADS = 4
+_pool: ThreadPoolExecutor | None = None
+
+
+def _read_range(fd: int, view: memoryview, start: int, stop: int, name: str) -> None:
+    pos = start
+    while pos < stop:
+        n = os.preadv(fd, [view[pos:stop]], pos)
+        if n == 0:
+            raise OSError(
+                errno.EIO, f"file shrank while reading ({pos} of {len(view)} bytes)", name
+            )
+        pos += n
+
+
 def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> memoryview:
     """The whole file as a memoryview: read once into fresh memory, or mapped read-only."""
+    global _pool
     p = os.fspath(path)
-    with open(p, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
+    fd = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
         if mmap:
             if size == 0:
                 return memoryview(b"")
-            m = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_READ)
-            return memoryview(m)
-        # np.empty leaves the pages untouched until readinto fills them, which
-        # is measurably faster than bytearray(size)'s zero fill.
-        buf = np.empty(size, dtype=np.uint8)
-        view = buf.data
-        pos = 0
-        while pos < size:
-            n = f.readinto(view[pos:])
-            if not n:
-                raise OSError(errno.EIO, f"file shrank while reading ({pos} of {size} bytes)", p)
-            pos += n
+            return memoryview(_mmap.mmap(fd, 0, access=_mmap.ACCESS_READ))
+        # np.empty leaves the pages untouched until the reads fill them
+        # (bytearray(size) would zero-fill them first).
+        view = np.empty(size, dtype=np.uint8).data
+        if size < _PARALLEL_MIN:
+            _read_range(fd, view, 0, size, p)
+            return view
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_PARALLEL_THREADS, thread_name_prefix="pytreeio-read")
+        jobs = [
+            _pool.submit(_read_range, fd, view, start, min(start + _PARALLEL_BLOCK, size), p)
+            for start in range(0, size, _PARALLEL_BLOCK)
+        ]
+        for job in jobs:
+            job.result()
         return view
+    finally:
+        os.close(fd)
 
 
 class FileSource(ByteSource):

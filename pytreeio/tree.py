@@ -42,6 +42,7 @@ __all__ = [
     "is_array_leaf",
     "describe_leaf",
     "MISSING",
+    "node_children",
 ]
 
 Component = str | int | tuple[str, int]  # str key, int dict key, ("[", index) for sequences
@@ -74,6 +75,8 @@ def _escape(name: str) -> str:
 
 def component_string(c: Component) -> str:
     """The canonical string of one path component."""
+    if type(c) is str and c and c[0] not in "[#\\" and "/" not in c and "\\" not in c:
+        return c
     if isinstance(c, tuple):
         return f"[{c[1]}]"
     if isinstance(c, bool):
@@ -177,7 +180,7 @@ def _sorted_keys(d: Mapping[Any, Any]) -> list[Any]:
 Children = tuple[list[tuple[Component, Any]], Callable[[list[Any]], Any]]
 
 
-def _children(node: Any) -> Children | None:
+def node_children(node: Any) -> Children | None:
     """One level of ``node``: ``(component, child)`` pairs and a rebuild function; None for a leaf."""
     if node is None:
         return [], lambda _: None
@@ -247,7 +250,7 @@ def iter_leaves(
     tree: Any, prefix: tuple[Component, ...] = ()
 ) -> Iterator[tuple[tuple[Component, ...], Any]]:
     """``(path, leaf)`` pairs in canonical order; ``None`` and empty containers yield nothing."""
-    kids = _children(tree)
+    kids = node_children(tree)
     if kids is None:
         yield prefix, tree
         return
@@ -405,7 +408,14 @@ def restore(
     for numpy, jax arrays (on ``like``'s sharding) for jax arrays and
     ``ShapeDtypeStruct``, Python scalars for Python scalars.
     """
-    kids = _children(like)
+    like_type = type(like)
+    if like_type is np.ndarray:
+        if type(native) is np.ndarray and native.shape == like.shape and native.dtype == like.dtype:
+            return native
+        return _restore_leaf(native, like, path, convert)
+    if like_type is dict and type(native) is dict and _plain_keys(like):
+        return _restore_plain_dict(native, like, path, convert)
+    kids = node_children(like)
     if kids is None:
         return _restore_leaf(native, like, path, convert)
     pairs, rebuild = kids
@@ -446,17 +456,41 @@ def restore(
     return rebuild(values)
 
 
+def _plain_keys(d: dict[Any, Any]) -> bool:
+    return all(type(k) is str for k in d)
+
+
+def _restore_plain_dict(
+    native: dict[Any, Any], like: dict[str, Any], path: tuple[Component, ...], convert: bool
+) -> dict[str, Any]:
+    """The common case (str-keyed dicts on both sides), keeping ``like``'s key order."""
+    out = {}
+    for k, child_like in like.items():
+        out[k] = restore(native.get(k, MISSING), child_like, path=(*path, k), convert=convert)
+    if len(native) != len(like):
+        extra = {k for k in native if k not in like and _holds_data(native, k)}
+        if extra:
+            names = sorted(str(k) for k in extra)
+            raise MismatchError(
+                f"the file has entries that `like` lacks: {names[:10]}{' ...' if len(names) > 10 else ''}",
+                key_path=key_string(path),
+            )
+    return out
+
+
 def _restore_leaf(native: Any, like: Any, path: tuple[Component, ...], convert: bool) -> Any:
-    key = key_string(path)
     if native is MISSING:
         raise MismatchError(
-            "missing from the file", key_path=key, expected=describe_leaf(like), found="nothing"
+            "missing from the file",
+            key_path=key_string(path),
+            expected=describe_leaf(like),
+            found="nothing",
         )
     if is_array_leaf(like):
         if not is_array_leaf(native):
             raise MismatchError(
                 "type differs",
-                key_path=key,
+                key_path=key_string(path),
                 expected=describe_leaf(like),
                 found=describe_leaf(native),
             )
@@ -465,7 +499,7 @@ def _restore_leaf(native: Any, like: Any, path: tuple[Component, ...], convert: 
         if tuple(native.shape) != want_shape or np.dtype(native.dtype) != want_dtype:
             raise MismatchError(
                 "shape or dtype differs",
-                key_path=key,
+                key_path=key_string(path),
                 expected=describe_leaf(like),
                 found=describe_leaf(native),
             )
@@ -482,7 +516,7 @@ def _restore_leaf(native: Any, like: Any, path: tuple[Component, ...], convert: 
         if not ok:
             raise MismatchError(
                 "type differs",
-                key_path=key,
+                key_path=key_string(path),
                 expected=type(like).__name__,
                 found=describe_leaf(native),
             )

@@ -126,3 +126,16 @@ def test_file_source_counts_and_bounds_reads(tmp_path: Path) -> None:
         with pytest.raises(ptio.FormatError) as e:
             src.read(98, 5, "tail")
         assert e.value.field == "tail" and e.value.offset == 98 and e.value.path == str(p)
+
+
+def test_parallel_read_of_large_files_is_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(io, "_PARALLEL_MIN", 0)
+    monkeypatch.setattr(io, "_PARALLEL_BLOCK", 4096 + 17)  # blocks that do not divide the size
+    data = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8).tobytes()
+    (tmp_path / "f").write_bytes(data)
+    assert bytes(io.read_file(tmp_path / "f")) == data
+    tree = {"w": np.arange(50_000, dtype=np.float32)}
+    ptio.save(tmp_path / "t.msgpack", tree)
+    assert ptio.load(tmp_path / "t.msgpack")["w"].tobytes() == tree["w"].tobytes()

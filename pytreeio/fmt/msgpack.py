@@ -95,11 +95,24 @@ def _ext_header(code: int, n: int) -> bytes:
     raise EncodeError(f"extension payload of {n} bytes exceeds msgpack's 4 GiB limit")
 
 
-def _as_host_array(x: Any, key: str) -> np.ndarray:
+_SMALL_ARRAY = 4096
+
+
+def _packed_dtype_name(dt: np.dtype[Any]) -> bytes:
+    packed = _PACKED_NAMES.get(dt)
+    if packed is None:
+        packed = _PACKED_NAMES[dt] = _packb(dt.name)
+    return packed
+
+
+_PACKED_NAMES: dict[np.dtype[Any], bytes] = {}
+
+
+def _as_host_array(x: Any, path: tuple[Any, ...]) -> np.ndarray:
     arr = np.asarray(x)
     why = dtypes.check_plain(arr.dtype)
     if why is not None:
-        raise EncodeError(why, key_path=key)
+        raise EncodeError(why, key_path=key_string(path))
     return dtypes.c_order(arr)
 
 
@@ -109,9 +122,15 @@ class _Encoder:
         self.chunk_bytes = chunk_bytes
 
     def ext_array(self, arr: np.ndarray, code: int) -> None:
-        head = b"\x93" + _packb(arr.shape) + _packb(arr.dtype.name) + _bin_header(arr.nbytes)
-        self.w.raw(_ext_header(code, len(head) + arr.nbytes) + head)
-        self.w.array(arr)
+        nbytes = arr.nbytes
+        head = b"\x93" + _packb(arr.shape) + _packed_dtype_name(arr.dtype) + _bin_header(nbytes)
+        head = _ext_header(code, len(head) + nbytes) + head
+        if nbytes < _SMALL_ARRAY:
+            # a copy of a few hundred bytes is cheaper than tracking another chunk
+            self.w.raw(head + arr.tobytes())
+        else:
+            self.w.raw(head)
+            self.w.array(arr)
 
     def chunked(self, arr: np.ndarray, path: tuple[Any, ...]) -> None:
         per_chunk = max(1, int(self.chunk_bytes / arr.dtype.itemsize))
@@ -138,7 +157,16 @@ class _Encoder:
             raise EncodeError(
                 f"tree is nested deeper than {_MAX_DEPTH} levels", key_path=key_string(path)
             )
-        if x is None:
+        t = type(x)
+        if t is np.ndarray:
+            arr = _as_host_array(x, path)
+            if arr.nbytes > self.chunk_bytes:
+                self.chunked(arr, path)
+            else:
+                self.ext_array(arr, _EXT_NDARRAY)
+        elif t is dict and all(type(k) is str for k in x):
+            self.mapping(list(x.items()), path, depth)
+        elif x is None:
             self.w.raw(b"\xc0")
         elif isinstance(x, bool | int | float | str | bytes) and not isinstance(x, np.generic):
             try:
@@ -146,7 +174,7 @@ class _Encoder:
             except (OverflowError, TypeError) as exc:
                 raise EncodeError(str(exc), key_path=key_string(path)) from None
         elif isinstance(x, np.generic):
-            self.ext_array(_as_host_array(x, key_string(path)), _EXT_NPSCALAR)
+            self.ext_array(_as_host_array(x, path), _EXT_NPSCALAR)
         elif isinstance(x, complex):
             payload = _packb((x.real, x.imag))
             self.w.raw(_ext_header(_EXT_COMPLEX, len(payload)) + payload)
@@ -167,7 +195,7 @@ class _Encoder:
         elif isinstance(x, list | tuple):
             self.mapping([(str(i), v) for i, v in enumerate(x)], path, depth)
         elif isinstance(x, np.ndarray) or _is_jax_array(x):
-            arr = _as_host_array(x, key_string(path))
+            arr = _as_host_array(x, path)
             if arr.nbytes > self.chunk_bytes:
                 self.chunked(arr, path)
             else:
@@ -192,9 +220,9 @@ def _state_dict_of(x: Any, path: tuple[Any, ...]) -> Any:
         sd = ser.to_state_dict(x)
         if sd is not x:
             return sd
-    from ..tree import _children, component_string
+    from ..tree import component_string, node_children
 
-    kids = _children(x) if "jax" in sys.modules else None
+    kids = node_children(x) if "jax" in sys.modules else None
     if kids is None:
         raise EncodeError(
             f"cannot store a leaf of type {type(x).__module__}.{type(x).__qualname__}",
@@ -255,7 +283,7 @@ class _Parser:
 
     def value(self, depth: int, field: str) -> Any:
         r = self.r
-        at = r.offset
+        at = r.pos
         b = r.u8(field)
         if b <= 0x7F:
             return b
@@ -266,7 +294,17 @@ class _Parser:
         if b <= 0x9F:
             return self.array(b & 0x0F, depth, field)
         if b <= 0xBF:
-            return r.text(b & 0x1F, field)
+            n = b & 0x1F
+            end = at + 1 + n
+            if end <= len(r.view):
+                try:
+                    text = str(r.view[at + 1 : end], "utf-8")
+                except UnicodeDecodeError:
+                    pass  # r.text reports it with its offset
+                else:
+                    r.pos = end
+                    return text
+            return r.text(n, field)
         if b == 0xC0:
             return None
         if b == 0xC2:
@@ -321,7 +359,7 @@ class _Parser:
             return self.map(r.be_u16(field), depth, field)
         if b == 0xDF:
             return self.map(r.be_u32(field), depth, field)
-        raise r.error(f"invalid msgpack type byte 0x{b:02x}", field, at)
+        raise r.error(f"invalid msgpack type byte 0x{b:02x}", field, r.start + at)
 
     def _deeper(self, depth: int, field: str) -> int:
         if depth >= _MAX_DEPTH:
@@ -339,14 +377,17 @@ class _Parser:
         out: dict[Any, Any] = {}
         r = self.r
         for _ in range(n):
-            at = r.offset
-            key = self.value(depth, f"{field} key")
-            if isinstance(key, (dict | list, np.ndarray | _ArrayHeader)):
-                raise r.error("map key is not a scalar", field, at)
+            at = r.pos
+            key = self.value(depth, field)
+            if type(key) is not str:
+                if isinstance(key, dict | list | np.ndarray | _ArrayHeader):
+                    raise r.error("map key is not a scalar", field, r.start + at)
+                child = str(key)
+            else:
+                child = key
             if key in out:
-                raise r.error(f"duplicate map key {key!r}", field, at)
-            child = key if isinstance(key, str) else str(key)
-            out[key] = self.value(depth, child if field == "" else f"{field}/{child}")
+                raise r.error(f"duplicate map key {key!r}", field, r.start + at)
+            out[key] = self.value(depth, child if not field else field + "/" + child)
         return out
 
     def ext(self, n: int, field: str, depth: int) -> Any:
@@ -373,6 +414,16 @@ class _Parser:
         raise r.error(f"unknown msgpack extension type {code}", field, body.start - 1)
 
     def ndarray(self, body: Reader, field: str) -> Any:
+        fast = _fast_array_header(body)
+        if fast is not None:
+            shape, dt, n = fast
+            if self.skip_data:
+                body.skip(n, field)
+                body.expect_end(field)
+                return _ArrayHeader(shape, dt, n)
+            arr = body.array(dt, shape, field)
+            body.expect_end(field)
+            return arr
         start = body.offset
         head = body.u8(field)
         if head != 0x93:
@@ -392,9 +443,10 @@ class _Parser:
         name = sub.value(_MAX_DEPTH - 2, field)
         if isinstance(name, bytes):
             name = name.decode("ascii", "replace")
-        dt = dtypes.by_name(name) if isinstance(name, str) else None
-        if dt is None:
+        found = dtypes.by_name(name) if isinstance(name, str) else None
+        if found is None:
             raise body.error(f"unsupported array dtype {name!r}", field, dtype_at)
+        dt = found
         bin_at = body.offset
         tag = body.u8(field)
         if tag == 0xC4:
@@ -419,6 +471,50 @@ class _Parser:
         arr = body.array(dt, shape, field)
         body.expect_end(field)
         return arr
+
+
+_DTYPE_BY_FIXSTR: dict[bytes, np.dtype[Any]] = {
+    bytes((0xA0 | len(name),)) + name.encode(): dt
+    for name in dtypes.NAMES
+    if len(name) < 32 and (dt := dtypes.by_name(name)) is not None
+}
+_BIN_WIDTH = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+
+
+def _fast_array_header(body: Reader) -> tuple[tuple[int, ...], np.dtype[Any], int] | None:
+    """The common ``[shape, dtype, data]`` header parsed in one go, or None.
+
+    Only fixarray shapes of positive fixints, fixstr dtype names and bin data
+    of exactly the right length take this path; anything else, malformed
+    input included, goes to the general parser, which reports errors precisely.
+    """
+    v = body.view
+    p = body.pos
+    end = len(v)
+    if p + 2 > end or v[p] != 0x93:
+        return None
+    ndim = v[p + 1] - 0x90
+    if not 0 <= ndim <= 15 or p + 3 + ndim > end:
+        return None
+    shape = tuple(v[p + 2 : p + 2 + ndim])
+    if any(d > 0x7F for d in shape):
+        return None
+    q = p + 2 + ndim
+    name_len = v[q] - 0xA0
+    if not 0 <= name_len <= 31 or q + 2 + name_len > end:
+        return None
+    dt = _DTYPE_BY_FIXSTR.get(bytes(v[q : q + 1 + name_len]))
+    if dt is None:
+        return None
+    q += 1 + name_len
+    width = _BIN_WIDTH.get(v[q])
+    if width is None or q + 1 + width > end:
+        return None
+    n = int.from_bytes(v[q + 1 : q + 1 + width], "big")
+    if n != math.prod(shape) * dt.itemsize:
+        return None
+    body.pos = q + 1 + width
+    return shape, dt, n
 
 
 def _unchunk(node: Any, r: Reader, field: str) -> Any:

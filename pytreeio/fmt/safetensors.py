@@ -37,7 +37,7 @@ from .. import dtypes
 from ..binary import ByteSource, Reader, Writer
 from ..errors import EncodeError, FormatError
 from ..registry import Decoded, Encoded, Entry, Format, Info, Probe, register
-from ..tree import _children, key_string
+from ..tree import component_string, node_children
 
 __all__ = ["FORMAT", "encode", "decode", "inspect", "FORMAT_VERSION", "MAX_HEADER_BYTES"]
 
@@ -78,12 +78,10 @@ class _Collector:
     def __init__(self) -> None:
         self.tensors: list[tuple[str, np.ndarray]] = []
 
-    def add(self, path: tuple[Any, ...], arr: np.ndarray, kind: str | None) -> dict[str, Any]:
-        name = key_string(path)
+    def add(self, name: str, arr: np.ndarray, kind: str | None) -> dict[str, Any]:
         if name == _META:
             raise EncodeError(f"the key {_META!r} is reserved by safetensors", key_path=name)
-        code = _NAME_TO_CODE.get(arr.dtype.name)
-        if code is None or arr.dtype.hasobject:
+        if _code_of(arr.dtype) is None:
             raise EncodeError(f"safetensors cannot store dtype {arr.dtype.name}", key_path=name)
         self.tensors.append((name, dtypes.c_order(arr)))
         node: dict[str, Any] = {"leaf": name}
@@ -91,55 +89,74 @@ class _Collector:
             node["kind"] = kind
         return node
 
-    def structure(self, x: Any, path: tuple[Any, ...]) -> Any:
+    def structure(self, x: Any, key: str = "") -> Any:
+        if type(x) is np.ndarray:
+            return self.add(key, x, None)
         if x is None:
             return None
         if isinstance(x, bool):
-            return self.add(path, np.array(x), "bool")
+            return self.add(key, np.array(x), "bool")
         if isinstance(x, int):
             if not -(2**63) <= x < 2**63:
-                raise EncodeError(f"int {x} does not fit int64", key_path=key_string(path))
-            return self.add(path, np.array(x, dtype=np.int64), "int")
+                raise EncodeError(f"int {x} does not fit int64", key_path=key)
+            return self.add(key, np.array(x, dtype=np.int64), "int")
         if isinstance(x, float):
-            return self.add(path, np.array(x, dtype=np.float64), "float")
+            return self.add(key, np.array(x, dtype=np.float64), "float")
         if isinstance(x, str):
             return {"str": x}
         if isinstance(x, np.generic):
-            return self.add(path, np.asarray(x), "npscalar")
+            return self.add(key, np.asarray(x), "npscalar")
         if isinstance(x, np.ndarray) or _is_jax_array(x):
-            return self.add(path, np.asarray(x), None)
+            return self.add(key, np.asarray(x), None)
         if isinstance(x, complex | bytes):
-            raise EncodeError(
-                f"safetensors cannot store a {type(x).__name__}", key_path=key_string(path)
-            )
-        kids = _children(x)
+            raise EncodeError(f"safetensors cannot store a {type(x).__name__}", key_path=key)
+        kids = node_children(x)
         if kids is None:
             raise EncodeError(
                 f"cannot store a leaf of type {type(x).__module__}.{type(x).__qualname__}",
-                key_path=key_string(path),
+                key_path=key,
             )
         pairs = kids[0]
         if isinstance(x, Mapping):
-            return {"dict": [[k, self.structure(v, (*path, k))] for k, v in pairs]}
+            return {"dict": [[k, self.structure(v, _child_key(key, k))] for k, v in pairs]}
         if isinstance(x, tuple) and hasattr(type(x), "_fields"):
             return {
                 "namedtuple": type(x).__name__,
                 "fields": _field_names(x),
-                "items": [self.structure(v, (*path, k)) for k, v in pairs],
+                "items": [self.structure(v, _child_key(key, k)) for k, v in pairs],
             }
         if isinstance(x, list):
-            return {"list": [self.structure(v, (*path, k)) for k, v in pairs]}
+            return {"list": [self.structure(v, _child_key(key, k)) for k, v in pairs]}
         if isinstance(x, tuple):
-            return {"tuple": [self.structure(v, (*path, k)) for k, v in pairs]}
+            return {"tuple": [self.structure(v, _child_key(key, k)) for k, v in pairs]}
         # other registered pytree nodes are kept as dicts of their children
         cls = f"{type(x).__module__}.{type(x).__qualname__}"
         return {
             "dict": [
-                [k if not isinstance(k, tuple) else k[1], self.structure(v, (*path, k))]
+                [k if not isinstance(k, tuple) else k[1], self.structure(v, _child_key(key, k))]
                 for k, v in pairs
             ],
             "node": cls,
         }
+
+
+def _child_key(parent: str, comp: Any) -> str:
+    """The canonical key of a child, from its parent's key (root: "")."""
+    text = component_string(comp)
+    return f"{parent}/{text}" if parent else text
+
+
+_CODE_BY_DTYPE: dict[np.dtype[Any], str] = {}
+
+
+def _code_of(dt: np.dtype[Any]) -> str | None:
+    """The safetensors dtype code (``dtype.name`` is slow in numpy, so cache by dtype)."""
+    code = _CODE_BY_DTYPE.get(dt)
+    if code is None and not dt.hasobject and dt.fields is None:
+        code = _NAME_TO_CODE.get(dt.name)
+        if code is not None and dt.byteorder != ">":
+            _CODE_BY_DTYPE[dt] = code
+    return code
 
 
 def _field_names(nt: Any) -> list[str]:
@@ -156,7 +173,7 @@ def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, **options: Any) 
     if options:
         raise TypeError(f"unknown safetensors options: {sorted(options)}")
     col = _Collector()
-    structure = col.structure(tree, ())
+    structure = col.structure(tree)
     metadata = {
         "format": "pytreeio",
         _VERSION_KEY: FORMAT_VERSION,
@@ -174,7 +191,7 @@ def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, **options: Any) 
     for i in order:
         name, arr = col.tensors[i]
         header[name] = {
-            "dtype": _NAME_TO_CODE[arr.dtype.name],
+            "dtype": _code_of(arr.dtype),
             "shape": list(arr.shape),
             "data_offsets": [offset, offset + arr.nbytes],
         }
