@@ -916,7 +916,7 @@ def _inspect_model(source: Mapping[str, ByteSource]) -> Info:
             }
             meta = _meta_from_npz(arrays, npz_role)
             continue
-        entries.append(Entry(key, h.shape, h.dtype.str, h.nbytes))
+        entries.append(Entry(key, h.shape, h.dtype.name, h.nbytes))
     if role == "legacy":
         js = source["legacy_json"]
         raw = js.read(0, js.size, "json")
@@ -1135,7 +1135,7 @@ def _restore_params(
 
 def _inspect_params(source: Mapping[str, ByteSource], fmt: str = "netcl-params") -> Info:
     entries = tuple(
-        Entry(k, h.shape, h.dtype.str, h.nbytes) for k, h, _ in npy.inspect_npz(source["npz"])
+        Entry(k, h.shape, h.dtype.name, h.nbytes) for k, h, _ in npy.inspect_npz(source["npz"])
     )
     return Info(fmt, entries, {})
 
