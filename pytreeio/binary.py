@@ -292,18 +292,29 @@ class Writer:
     def array(self, arr: np.ndarray, dtype: Any = None) -> None:
         """Append an array's bytes in C order as the given little-endian dtype.
 
-        A C-contiguous array of the right dtype is referenced, not copied.
+        A C-contiguous little-endian array of the right dtype is referenced
+        (or, under 4 KiB, packed with the small fields), never serialised.
         """
-        a = np.asarray(arr)
+        a = arr if type(arr) is np.ndarray else np.asarray(arr)
         if dtype is not None:
             want = np.dtype(dtype).newbyteorder("<")
             if a.dtype != want:
                 a = a.astype(want)
         elif a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
-        a = np.ascontiguousarray(a)
-        if a.nbytes:
-            self.raw(a.reshape(-1).view(np.uint8))
+        if not a.flags.c_contiguous:
+            a = a.copy(order="C")
+        n = a.nbytes
+        if n == 0:
+            return
+        view = a.reshape(-1).view(np.uint8).data
+        if n < 4096:
+            self._pending += view
+            self.nbytes += n
+        else:
+            self._flush()
+            self.chunks.append(view)
+            self.nbytes += n
 
     def finish(self) -> list[Buffer]:
         """The chunks written so far (the writer may not be used afterwards)."""

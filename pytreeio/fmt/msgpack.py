@@ -95,9 +95,6 @@ def _ext_header(code: int, n: int) -> bytes:
     raise EncodeError(f"extension payload of {n} bytes exceeds msgpack's 4 GiB limit")
 
 
-_SMALL_ARRAY = 4096
-
-
 def _packed_dtype_name(dt: np.dtype[Any]) -> bytes:
     packed = _PACKED_NAMES.get(dt)
     if packed is None:
@@ -124,13 +121,8 @@ class _Encoder:
     def ext_array(self, arr: np.ndarray, code: int) -> None:
         nbytes = arr.nbytes
         head = b"\x93" + _packb(arr.shape) + _packed_dtype_name(arr.dtype) + _bin_header(nbytes)
-        head = _ext_header(code, len(head) + nbytes) + head
-        if nbytes < _SMALL_ARRAY:
-            # a copy of a few hundred bytes is cheaper than tracking another chunk
-            self.w.raw(head + arr.tobytes())
-        else:
-            self.w.raw(head)
-            self.w.array(arr)
+        self.w.raw(_ext_header(code, len(head) + nbytes) + head)
+        self.w.array(arr)
 
     def chunked(self, arr: np.ndarray, path: tuple[Any, ...]) -> None:
         per_chunk = max(1, int(self.chunk_bytes / arr.dtype.itemsize))

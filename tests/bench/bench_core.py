@@ -45,18 +45,6 @@ def tree_nbytes(tree: Any) -> int:
     return sum(np.asarray(v).nbytes for v in ptio.flatten(tree).values())
 
 
-def best_of(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = None) -> float:
-    times = []
-    for _ in range(repeat):
-        if setup is not None:
-            setup()
-        gc.collect()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def fresh(path: Path) -> Callable[[], None]:
     """Setup for a timed write: no destination, no dirty pages from earlier writes."""
 
@@ -112,68 +100,61 @@ def peak_rss_added(fn: Callable[[], Any]) -> int | None:
     return rss("VmHWM:") - before
 
 
-def bench_big(out: Path, tree: dict[str, Any], repeat: int) -> list[Row]:
-    rows: list[Row] = []
-    nbytes = tree_nbytes(tree)
-    buffers = list(ptio.flatten(tree).values())
-    raw = out / "raw.bin"
-    raw_w_durable = best_of(lambda: raw_write(raw, buffers, True), repeat, fresh(raw))
-    raw_w = best_of(lambda: raw_write(raw, buffers, False), repeat, fresh(raw))
-    into = np.empty(nbytes, np.uint8)
-    raw_readinto(raw, into)
-    raw_r = best_of(lambda: raw_readinto(raw, into), repeat)
-    rows += [
-        ("raw", "write+fsync", raw_w_durable, 1.0),
-        ("raw", "write", raw_w, 1.0),
-        ("raw", "readinto", raw_r, 1.0),
-    ]
+def race(
+    cases: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]], repeat: int
+) -> dict[str, float]:
+    """Best time of each case over ``repeat`` rounds, the cases interleaved in every round.
 
-    for fmt, suffix in (("msgpack", ".msgpack"), ("safetensors", ".safetensors")):
-        path = out / f"tree{suffix}"
-        t = best_of(lambda p=path: ptio.save(p, tree), repeat, fresh(path))
-        rows.append((f"pytreeio {fmt}", "save (durable)", t, raw_w_durable / t))
-        t = best_of(lambda p=path: ptio.save(p, tree, durable=False), repeat, fresh(path))
-        rows.append((f"pytreeio {fmt}", "save (durable=False)", t, raw_w / t))
-        ptio.load(path)
-        t = best_of(lambda p=path: ptio.load(p), repeat)
-        rows.append((f"pytreeio {fmt}", "load", t, raw_r / t))
-        t = best_of(lambda p=path: ptio.load(p, like=tree), repeat)
-        rows.append((f"pytreeio {fmt}", "load (like=numpy)", t, raw_r / t))
+    Interleaving gives every case the same machine conditions (page cache,
+    writeback, neighbours' load), which matter more than anything measured.
+    """
+    best = {name: float("inf") for name in cases}
+    for _ in range(repeat):
+        for name, (fn, setup) in cases.items():
+            if setup is not None:
+                setup()
+            gc.collect()
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
+
+def _peer_cases(
+    out: Path, tree: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(durable writes, plain writes, reads) of the peer libraries that are installed."""
+    durable: dict[str, Any] = {}
+    plain: dict[str, Any] = {}
+    reads: dict[str, Any] = {}
     try:
         import flax.serialization as fser
 
-        path = out / "flax.msgpack"
+        fpath = out / "flax.msgpack"
 
         def flax_save() -> None:
             data = fser.to_bytes(tree)
-            with open(path, "wb") as f:
+            with open(fpath, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
 
-        def flax_load() -> None:
-            fser.msgpack_restore(path.read_bytes())
-
-        t = best_of(flax_save, repeat, fresh(path))
-        rows.append(("flax.serialization", "save (fsync)", t, raw_w_durable / t))
-        t = best_of(flax_load, repeat)
-        rows.append(("flax.serialization", "load", t, raw_r / t))
+        durable["flax.serialization save (fsync)"] = (flax_save, fresh(fpath))
+        reads["flax.serialization load"] = (lambda: fser.msgpack_restore(fpath.read_bytes()), None)
     except ImportError as exc:
         print(f"flax.serialization skipped: {exc}")
-
     try:
         import safetensors.numpy as stn
 
         flat = {k: np.asarray(v) for k, v in ptio.flatten(tree).items()}
-        path = out / "peer.safetensors"
-        t = best_of(lambda: stn.save_file(flat, str(path)), repeat, fresh(path))
-        rows.append(("safetensors pkg", "save (no fsync)", t, raw_w / t))
-        t = best_of(lambda: stn.load_file(str(path)), repeat)
-        rows.append(("safetensors pkg", "load", t, raw_r / t))
+        spath = out / "peer.safetensors"
+        plain["safetensors pkg save (no fsync)"] = (
+            lambda: stn.save_file(flat, str(spath)),
+            fresh(spath),
+        )
+        reads["safetensors pkg load"] = (lambda: stn.load_file(str(spath)), None)
     except ImportError as exc:
         print(f"safetensors skipped: {exc}")
-
     try:
         import jax
         import orbax.checkpoint as ocp
@@ -181,24 +162,57 @@ def bench_big(out: Path, tree: dict[str, Any], repeat: int) -> list[Row]:
         jtree = jax.tree_util.tree_map(jax.numpy.asarray, tree)
         ckptr = ocp.StandardCheckpointer()
         target = out / "orbax"
+        abstract = jax.eval_shape(lambda: jtree)
 
         def orbax_save() -> None:
             ckptr.save(target, jtree, force=True)
             ckptr.wait_until_finished()
 
-        abstract = jax.eval_shape(lambda: jtree)
-
         def orbax_load() -> None:
-            restored = ckptr.restore(target, abstract)
-            jax.block_until_ready(restored)
+            jax.block_until_ready(ckptr.restore(target, abstract))
 
-        t = best_of(orbax_save, repeat, fresh(target))
-        rows.append(("orbax Standard", "save", t, raw_w_durable / t))
-        t = best_of(orbax_load, repeat)
-        rows.append(("orbax Standard", "load", t, raw_r / t))
-        ckptr.close()
+        durable["orbax Standard save"] = (orbax_save, fresh(target))
+        reads["orbax Standard load"] = (orbax_load, None)
     except ImportError as exc:
         print(f"orbax skipped: {exc}")
+    return durable, plain, reads
+
+
+def bench_big(out: Path, tree: dict[str, Any], repeat: int) -> list[Row]:
+    buffers = list(ptio.flatten(tree).values())
+    raw = out / "raw.bin"
+    paths = {fmt: out / f"tree.{fmt}" for fmt in ("msgpack", "safetensors")}
+    peers_durable, peers_plain, peers_read = _peer_cases(out, tree)
+
+    durable: dict[str, Any] = {
+        "raw write+fsync": (lambda: raw_write(raw, buffers, True), fresh(raw))
+    }
+    plain: dict[str, Any] = {"raw write": (lambda: raw_write(raw, buffers, False), fresh(raw))}
+    for fmt, p in paths.items():
+        durable[f"pytreeio {fmt} save (durable)"] = (lambda p=p: ptio.save(p, tree), fresh(p))
+        plain[f"pytreeio {fmt} save (durable=False)"] = (
+            lambda p=p: ptio.save(p, tree, durable=False),
+            fresh(p),
+        )
+    durable.update(peers_durable)
+    plain.update(peers_plain)
+
+    rows: list[Row] = []
+    for group, base in ((durable, "raw write+fsync"), (plain, "raw write")):
+        times = race(group, repeat)
+        rows += [(name, "", t, times[base] / t) for name, t in times.items()]
+
+    # reads: every file exists now (the last round of writes left them)
+    into = np.empty(tree_nbytes(tree), np.uint8)
+    reads: dict[str, Any] = {"raw readinto": (lambda: raw_readinto(raw, into), None)}
+    for fmt, p in paths.items():
+        reads[f"pytreeio {fmt} load"] = (lambda p=p: ptio.load(p), None)
+        reads[f"pytreeio {fmt} load (like=numpy)"] = (lambda p=p: ptio.load(p, like=tree), None)
+        # like-with-like for readers that map the file (the safetensors package does)
+        reads[f"pytreeio {fmt} load (mmap=True)"] = (lambda p=p: ptio.load(p, mmap=True), None)
+    reads.update(peers_read)
+    times = race(reads, repeat)
+    rows += [(name, "", t, times["raw readinto"] / t) for name, t in times.items()]
     return rows
 
 
@@ -207,14 +221,16 @@ def bench_leaves(out: Path, leaves: int, repeat: int) -> list[tuple[str, str, fl
     results = []
     for fmt, suffix in (("msgpack", ".msgpack"), ("safetensors", ".safetensors")):
         path = out / f"leaves{suffix}"
-        t_save = best_of(lambda p=path: ptio.save(p, tree, durable=False), repeat)
-        t_load = best_of(lambda p=path: ptio.load(p), repeat)
-        t_like = best_of(lambda p=path: ptio.load(p, like=tree), repeat)
-        results += [
-            (fmt, "save (durable=False)", t_save / leaves),
-            (fmt, "load", t_load / leaves),
-            (fmt, "load (like=numpy)", t_like / leaves),
-        ]
+        ptio.save(path, tree, durable=False)
+        times = race(
+            {
+                "save (durable=False)": (lambda p=path: ptio.save(p, tree, durable=False), None),
+                "load": (lambda p=path: ptio.load(p), None),
+                "load (like=numpy)": (lambda p=path: ptio.load(p, like=tree), None),
+            },
+            repeat,
+        )
+        results += [(fmt, op, t / leaves) for op, t in times.items()]
     return results
 
 
@@ -235,10 +251,10 @@ def main() -> None:
         nbytes = tree_nbytes(tree)
         print(f"tree: {args.leaves} float32 leaves, {nbytes / 1e6:.0f} MB; files in {out}")
         rows = bench_big(out, tree, args.repeat)
-        print(f"\n{'case':<20} {'operation':<22} {'GB/s':>7} {'ratio to raw':>13}")
-        for case, op, secs, ratio in rows:
+        print(f"\n{'case':<44} {'GB/s':>7} {'ratio to raw':>13}")
+        for case, _, secs, ratio in rows:
             r = f"{ratio:.2f}x" if ratio is not None else "-"
-            print(f"{case:<20} {op:<22} {nbytes / secs / 1e9:>7.2f} {r:>13}")
+            print(f"{case:<44} {nbytes / secs / 1e9:>7.2f} {r:>13}")
 
         for fmt in ("msgpack", "safetensors"):
             path = out / f"mem.{fmt}"
