@@ -24,6 +24,8 @@ from .errors import (
     EncodeError,
     FormatError,
     MismatchError,
+    NetclMissingParamError,
+    NetclShapeMismatchError,
     PytreeioError,
     QuantisationError,
     UnknownFormatError,
@@ -59,5 +61,7 @@ __all__ = [
     "QuantisationError",
     "UnknownFormatError",
     "EncodeError",
+    "NetclMissingParamError",
+    "NetclShapeMismatchError",
     "__version__",
 ]

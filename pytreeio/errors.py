@@ -18,6 +18,8 @@ __all__ = [
     "QuantisationError",
     "UnknownFormatError",
     "EncodeError",
+    "NetclMissingParamError",
+    "NetclShapeMismatchError",
 ]
 
 
@@ -149,3 +151,14 @@ class EncodeError(PytreeioError, TypeError):
 
 def _rebuild_encode_error(reason: str, key_path: Any) -> EncodeError:
     return EncodeError(reason, key_path=key_path)
+
+
+class NetclMissingParamError(MismatchError, KeyError):
+    """A parameter name is absent from a netcl checkpoint (netcl itself raises ``KeyError``)."""
+
+    def __str__(self) -> str:  # KeyError.__str__ would quote the message
+        return MismatchError.__str__(self)
+
+
+class NetclShapeMismatchError(MismatchError):
+    """A netcl checkpoint array's shape differs from the parameter's (netcl: ``ValueError``)."""

@@ -67,7 +67,13 @@ import numpy as np
 
 from .. import npy
 from ..binary import BufferSource, ByteSource, as_memoryview
-from ..errors import EncodeError, FormatError, MismatchError
+from ..errors import (
+    EncodeError,
+    FormatError,
+    MismatchError,
+    NetclMissingParamError,
+    NetclShapeMismatchError,
+)
 from ..registry import Decoded, Encoded, Entry, Format, Info, Probe, register
 
 __all__ = [
@@ -123,17 +129,6 @@ LAYER_PARAMS: dict[str, tuple[str, ...]] = {
 }
 
 _MEMBER = re.compile(r"^(0|[1-9][0-9]*):(.+)$")
-
-
-class NetclMissingParamError(MismatchError, KeyError):
-    """A parameter name is absent from a netcl checkpoint (netcl raises ``KeyError``)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return MismatchError.__str__(self)
-
-
-class NetclShapeMismatchError(MismatchError):
-    """A netcl checkpoint array has another shape than the parameter (netcl: ``ValueError``)."""
 
 
 # --------------------------------------------------------------------------
@@ -1335,5 +1330,6 @@ PARAMS = register(
         restore=_restore_params,
         locate=_locate_params,
         stores_meta=False,
+        sniff_priority=-1,  # any plain npz: after netcl-checkpoint, which needs its JSON sidecar
     )
 )
