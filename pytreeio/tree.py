@@ -487,6 +487,10 @@ def _restore_leaf(native: Any, like: Any, path: tuple[Component, ...], convert: 
             found="nothing",
         )
     if is_array_leaf(like):
+        if isinstance(native, bool | int | float) and tuple(like.shape) == ():
+            # A Python scalar (msgpack, safetensors store them as such) into a 0-d
+            # template, e.g. the step counter after jax.eval_shape: exact values only.
+            native = _exact_scalar_array(native, like, path)
         if not is_array_leaf(native):
             raise MismatchError(
                 "type differs",
@@ -522,6 +526,31 @@ def _restore_leaf(native: Any, like: Any, path: tuple[Component, ...], convert: 
             )
         return type(like)(value)
     return native
+
+
+def _exact_scalar_array(
+    value: bool | int | float, like: Any, path: tuple[Component, ...]
+) -> np.ndarray:
+    dtype = np.dtype(like.dtype)
+    kind_ok = (
+        (dtype.kind == "b" and isinstance(value, bool))
+        or (dtype.kind in "iu" and isinstance(value, int) and not isinstance(value, bool))
+        or (dtype.kind in "fc" and isinstance(value, float | int) and not isinstance(value, bool))
+    )
+    if kind_ok:
+        try:
+            with np.errstate(over="raise", invalid="raise"):
+                arr = np.array(value, dtype=dtype)
+        except (OverflowError, FloatingPointError, ValueError):
+            arr = None
+        if arr is not None and (arr.item() == value or (value != value and arr != arr)):
+            return arr
+    raise MismatchError(
+        "the file's Python scalar does not fit the template exactly",
+        key_path=key_string(path),
+        expected=describe_leaf(like),
+        found=f"{type(value).__name__} {value!r}",
+    )
 
 
 def _as_kind_of(arr: Any, like: Any) -> Any:

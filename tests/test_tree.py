@@ -166,3 +166,18 @@ def test_flax_struct_dataclass_via_jax_registry() -> None:
     assert "params/w" in flat and "step" in flat
     back = ptio.unflatten(flat, like=state)
     assert type(back) is type(state) and np.array_equal(back.params["w"], params["w"])
+
+
+def test_python_scalars_restore_into_zero_d_templates_only_when_exact() -> None:
+    like = jax.eval_shape(lambda: {"step": 0, "lr": 0.5, "on": True})
+    out = restore({"step": 50, "lr": 0.25, "on": False}, like)
+    assert int(out["step"]) == 50 and out["step"].dtype == jnp.int32 and float(out["lr"]) == 0.25
+    with pytest.raises(ptio.MismatchError, match="exactly") as e:
+        restore({"step": 2**40, "lr": 0.25, "on": False}, like)
+    assert e.value.key_path == "step"
+    with pytest.raises(ptio.MismatchError, match="exactly"):
+        restore({"step": 1, "lr": 0.1, "on": False}, like)  # 0.1 is not a float32
+    with pytest.raises(ptio.MismatchError):
+        restore({"step": 1.5, "lr": 0.25, "on": False}, like)
+    with pytest.raises(ptio.MismatchError):
+        restore({"a": 1}, {"a": np.zeros(2, np.int32)})  # only 0-d templates take scalars

@@ -1,0 +1,29 @@
+"""The scripts in examples/ run and report success."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "expect"),
+    [
+        ("train_and_resume.py", ["--format", "safetensors"], "bit-exact = True"),
+        ("convert_pipeline.py", [], "0 changed"),
+        ("tinyllama_generate.py", [], "generated ["),
+    ],
+)
+def test_example_runs(script: str, args: list[str], expect: str, tmp_path: Path) -> None:
+    if script != "tinyllama_generate.py":
+        args = [*args, "--dir" if script == "train_and_resume.py" else "--out", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert expect in done.stdout
