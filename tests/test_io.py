@@ -139,3 +139,24 @@ def test_parallel_read_of_large_files_is_exact(
     tree = {"w": np.arange(50_000, dtype=np.float32)}
     ptio.save(tmp_path / "t.msgpack", tree)
     assert ptio.load(tmp_path / "t.msgpack")["w"].tobytes() == tree["w"].tobytes()
+
+
+def test_directory_swap_without_renameat2_falls_back_to_two_renames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(io, "_exchange", lambda a, b: False)
+    dest = tmp_path / "ckpt"
+    io.write_dir_atomic(dest, Encoded(files={"a.bin": Encoded((b"old",))}))
+    io.write_dir_atomic(dest, Encoded(files={"b.bin": Encoded((b"new",))}))
+    assert sorted(p.name for p in dest.iterdir()) == ["b.bin"]
+    assert (dest / "b.bin").read_bytes() == b"new" and _leftovers(tmp_path) == []
+
+
+def test_renameat2_exchange_swaps_directories(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("from a")
+    if not io._exchange(a, b):
+        pytest.skip("renameat2(RENAME_EXCHANGE) is not available on this kernel/filesystem")
+    assert (b / "x").read_text() == "from a" and not (a / "x").exists()
