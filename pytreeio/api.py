@@ -109,6 +109,18 @@ def _open_source(path: PathLike, fmt: Format, *, mmap: bool, headers: bool = Fal
     return located
 
 
+def _check_load_options(fmt: Format, options: Mapping[str, Any]) -> None:
+    if fmt.load_options is None:
+        return
+    unknown = sorted(set(options) - fmt.load_options)
+    if unknown:
+        accepted = ", ".join(sorted(fmt.load_options)) or "none"
+        raise TypeError(
+            f"format {fmt.name!r} does not take the load option(s) {', '.join(unknown)} "
+            f"(accepted: {accepted})"
+        )
+
+
 @contextmanager
 def _errors_located(path: PathLike | None, source: Any = None) -> Iterator[None]:
     """Fill in the file of errors that pure functions raise without one."""
@@ -154,6 +166,7 @@ def decode(data: Any, format: str | Format, *, like: Any = None, **options: Any)
     Returns the native tree, or the tree restored into ``like``'s structure.
     """
     fmt = registry.get(format)
+    _check_load_options(fmt, options)
     native, meta = fmt.decode(_as_source(data, fmt), **options)
     if like is None:
         return native
@@ -189,6 +202,7 @@ def _decode_path(
     path: PathLike, format: str | Format | None, mmap: bool, options: Mapping[str, Any]
 ) -> tuple[Format, Any, dict[str, Any]]:
     fmt = _format_for_load(path, format)
+    _check_load_options(fmt, options)
     source = _open_source(path, fmt, mmap=mmap)
     with _errors_located(path, source):
         native, meta = fmt.decode(source, **options)

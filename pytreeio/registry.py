@@ -207,6 +207,9 @@ class Format(NamedTuple):
       stores_meta: whether ``meta`` survives a save in this format.
       sniff_priority: formats with higher values are sniffed first; formats
         without a magic number (msgpack) use a negative value.
+      load_options: the keyword options ``load``/``decode`` accept (passed to
+        both ``decode`` and ``restore``); others raise ``TypeError``.  None
+        leaves the checking to the format.
     """
 
     name: str
@@ -221,6 +224,7 @@ class Format(NamedTuple):
     locate: Callable[[Path], Mapping[str, Path]] | None = None
     stores_meta: bool = True
     sniff_priority: int = 0
+    load_options: frozenset[str] | None = frozenset()
 
 
 _REGISTRY: dict[str, Format] = {}

@@ -139,3 +139,12 @@ def test_sniffing_does_not_depend_on_import_order(tmp_path: Path) -> None:
     import pytreeio.fmt.msgpack  # noqa: F401
 
     assert ptio.inspect(path).format == "safetensors"
+
+
+def test_unknown_load_options_are_rejected_not_ignored(tmp_path: Path) -> None:
+    path = tmp_path / "a.msgpack"
+    ptio.save(path, {"w": np.ones(2, np.float32)})
+    with pytest.raises(TypeError, match="verfy_crc"):
+        ptio.load(path, verfy_crc=False)
+    with pytest.raises(TypeError, match="accepted: none"):
+        ptio.decode(path.read_bytes(), "msgpack", strict=False)

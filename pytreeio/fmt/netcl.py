@@ -978,6 +978,7 @@ MODEL = register(
         sniff=_sniff_model,
         restore=_restore_model,
         locate=_locate_model,
+        load_options=frozenset({"verify_crc", "allow_missing"}),
     )
 )
 
@@ -1314,6 +1315,7 @@ CHECKPOINT = register(
         restore=_restore_checkpoint,
         locate=_locate_checkpoint,
         stores_meta=False,
+        load_options=frozenset({"verify_crc", "names", "layers"}),
     )
 )
 
@@ -1331,5 +1333,6 @@ PARAMS = register(
         locate=_locate_params,
         stores_meta=False,
         sniff_priority=-1,  # any plain npz: after netcl-checkpoint, which needs its JSON sidecar
+        load_options=frozenset({"verify_crc", "names", "config"}),
     )
 )

@@ -702,5 +702,6 @@ FORMAT = register(
         sniff=sniff,
         restore=restore,
         stores_meta=True,
+        load_options=_RESTORE_OPTIONS,
     )
 )
