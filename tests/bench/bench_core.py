@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rawio import raw_readinto, raw_write
 
 import pytreeio as ptio
 
@@ -56,28 +57,6 @@ def fresh(path: Path) -> Callable[[], None]:
         os.sync()
 
     return setup
-
-
-def raw_write(path: Path, buffers: list[np.ndarray], durable: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for b in buffers:
-            view = memoryview(b).cast("B")
-            pos = 0
-            while pos < len(view):
-                pos += os.write(fd, view[pos : pos + (1 << 30)])
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def raw_readinto(path: Path, into: np.ndarray) -> None:
-    with open(path, "rb", buffering=0) as f:
-        view = memoryview(into).cast("B")
-        pos = 0
-        while pos < len(view):
-            pos += f.readinto(view[pos:])
 
 
 def peak_rss_added(fn: Callable[[], Any]) -> int | None:

@@ -14,7 +14,6 @@ bytes ``inspect`` reads.  Run: ``python tests/bench/bench_tinyllama.py [--dir D]
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rawio import raw_readinto, raw_write
 
 import pytreeio as ptio
 from pytreeio.fmt import tinyllama as tl
@@ -81,29 +81,6 @@ def best_of(repeat: int, fn: Callable[[], Any], before: Callable[[], None] | Non
     return min(times)
 
 
-def raw_write(path: Path, data: bytes, durable: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def raw_read(path: Path, into: np.ndarray) -> None:
-    with open(path, "rb", buffering=0) as f:
-        view = into.data.cast("B")
-        pos = 0
-        while pos < len(view):
-            n = f.readinto(view[pos:])
-            if not n:
-                raise OSError("short read")
-            pos += n
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to write the files")
@@ -127,7 +104,7 @@ def main() -> None:
 
         rows = []
         for durable in (True, False):
-            t_raw = best_of(args.repeat, partial(raw_write, raw, data, durable), unlink(raw))
+            t_raw = best_of(args.repeat, partial(raw_write, raw, [data], durable), unlink(raw))
             save = partial(ptio.save, ours, tree, format="tinyllama", meta=meta, durable=durable)
             t_ours = best_of(args.repeat, save, unlink(ours))
             label = "save durable" if durable else "save durable=False"
@@ -135,16 +112,16 @@ def main() -> None:
         assert ours.read_bytes() == data
 
         buf = np.empty(size, np.uint8)
-        raw_read(raw, buf)  # warm the page cache for both files
+        raw_readinto(raw, buf)  # warm the page cache for both files
         ptio.load(ours)
-        t_raw = best_of(args.repeat, lambda: raw_read(ours, buf))
+        t_raw = best_of(args.repeat, lambda: raw_readinto(ours, buf))
         t_ours = best_of(args.repeat, lambda: ptio.load(ours, format="tinyllama"))
         rows.append(("load", t_ours, "readinto", t_raw))
         t_sniff = best_of(args.repeat, lambda: ptio.load(ours))
         rows.append(("load (sniffed)", t_sniff, "readinto", t_raw))
         # The same readinto into freshly allocated memory, as a load must: the gap
         # between the two baselines is the cost of faulting in new pages.
-        t_fresh = best_of(args.repeat, lambda: raw_read(ours, np.empty(size, np.uint8)))
+        t_fresh = best_of(args.repeat, lambda: raw_readinto(ours, np.empty(size, np.uint8)))
         rows.append(("load", t_ours, "readinto new", t_fresh))
         t_decode = best_of(args.repeat, lambda: tl.decode(buf))
 
