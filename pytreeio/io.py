@@ -70,9 +70,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_new_file(path: Path, encoded: Encoded, durable: bool) -> None:
+def _write_new_file(path: Path, encoded: Encoded, durable: bool, mode: int | None = None) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         _write_chunks(fd, encoded.chunks)
         if durable:
             os.fsync(fd)
@@ -87,9 +89,13 @@ def write_file_atomic(
     dest = Path(path)
     if dest.is_dir():
         raise IsADirectoryError(errno.EISDIR, "cannot replace a directory with a file", str(dest))
+    try:  # a replaced checkpoint keeps its permission bits
+        mode: int | None = os.stat(dest).st_mode & 0o7777
+    except FileNotFoundError:
+        mode = None
     tmp = _tmp_name(dest)
     try:
-        _write_new_file(tmp, encoded, durable)
+        _write_new_file(tmp, encoded, durable, mode)
         os.replace(tmp, dest)
     except BaseException:
         _remove_quietly(tmp)

@@ -160,3 +160,12 @@ def test_renameat2_exchange_swaps_directories(tmp_path: Path) -> None:
     if not io._exchange(a, b):
         pytest.skip("renameat2(RENAME_EXCHANGE) is not available on this kernel/filesystem")
     assert (b / "x").read_text() == "from a" and not (a / "x").exists()
+
+
+def test_replacing_a_file_keeps_its_permissions(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.msgpack"
+    ptio.save(path, {"a": np.ones(1)})
+    os.chmod(path, 0o600)
+    ptio.save(path, {"a": np.zeros(1)})
+    assert (path.stat().st_mode & 0o777) == 0o600
+    assert ptio.load(path)["a"].tolist() == [0.0]
