@@ -563,8 +563,7 @@ def _as_kind_of(arr: Any, like: Any) -> Any:
     if module.startswith("jax") or module.startswith("jaxlib"):
         import jax
 
-        sharding = getattr(like, "sharding", None)
-        if sharding is not None:
-            return jax.device_put(arr, sharding)
-        return jax.numpy.asarray(arr)
+        # device_put is a plain transfer; jnp.asarray would compile a conversion
+        # for every new shape (~10 ms each on first use).
+        return jax.device_put(arr, getattr(like, "sharding", None))
     return arr
