@@ -50,7 +50,7 @@ def _format_for_save(path: PathLike, format: str | Format | None) -> Format:
 
 def _probe(path: Path) -> Probe:
     if path.is_dir():
-        return Probe(path, names=frozenset(io.DirFiles(path)))
+        return Probe(path, names=frozenset(io.FileSet.directory(path)))
     with open(path, "rb") as f:
         head = f.read(_SNIFF_BYTES)
         size = os.fstat(f.fileno()).st_size
@@ -101,9 +101,9 @@ def _open_source(path: PathLike, fmt: Format, *, mmap: bool, headers: bool = Fal
             raise FormatError(
                 f"format {fmt.name!r} is a directory, but this is a file", path=str(p)
             )
-        return io.DirFiles(p, mmap=mmap, headers=headers)
+        return io.FileSet.directory(p, mmap=mmap, headers=headers)
     assert fmt.locate is not None, f"format {fmt.name} has layout 'files' but no locate()"
-    located = io.LocatedFiles(fmt.locate(p), mmap=mmap, headers=headers)
+    located = io.FileSet.existing(fmt.locate(p), mmap=mmap, headers=headers)
     if not len(located):
         raise FileNotFoundError(2, "No such file or directory", str(p))
     return located
@@ -130,7 +130,7 @@ def _errors_located(path: PathLike | None, source: Any = None) -> Iterator[None]
         if path is not None:
             if exc.path is None:
                 exc.path = os.fspath(path)
-            elif isinstance(source, io.DirFiles | io.LocatedFiles) and exc.path in source:
+            elif isinstance(source, io.FileSet) and exc.path in source:
                 exc.path = source.path_of(exc.path)
         raise
 

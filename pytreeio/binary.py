@@ -304,17 +304,8 @@ class Writer:
             a = a.astype(a.dtype.newbyteorder("<"))
         if not a.flags.c_contiguous:
             a = a.copy(order="C")
-        n = a.nbytes
-        if n == 0:
-            return
-        view = a.reshape(-1).view(np.uint8).data
-        if n < 4096:
-            self._pending += view
-            self.nbytes += n
-        else:
-            self._flush()
-            self.chunks.append(view)
-            self.nbytes += n
+        if a.nbytes:
+            self.raw(a.reshape(-1).view(np.uint8).data)
 
     def finish(self) -> list[Buffer]:
         """The chunks written so far (the writer may not be used afterwards)."""

@@ -40,8 +40,7 @@ __all__ = [
     "write_dir_atomic",
     "read_file",
     "FileSource",
-    "DirFiles",
-    "LocatedFiles",
+    "FileSet",
 ]
 
 # Linux caps a single write() at just under 2 GiB; stay well below it.
@@ -245,14 +244,15 @@ _PARALLEL_THREADS = 4
 _pool: ThreadPoolExecutor | None = None
 
 
-def _read_range(fd: int, view: memoryview, start: int, stop: int, name: str) -> None:
+def _read_range(
+    fd: int, view: memoryview, start: int, stop: int, name: str, *, file_offset: int = 0
+) -> None:
+    """Fill ``view[start:stop]`` from the file at ``file_offset + start`` (pread: no shared seek)."""
     pos = start
     while pos < stop:
-        n = os.preadv(fd, [view[pos:stop]], pos)
+        n = os.preadv(fd, [view[pos:stop]], file_offset + pos)
         if n == 0:
-            raise OSError(
-                errno.EIO, f"file shrank while reading ({pos} of {len(view)} bytes)", name
-            )
+            raise OSError(errno.EIO, f"file shrank while reading ({pos} of {stop} bytes)", name)
         pos += n
 
 
@@ -296,14 +296,8 @@ class FileSource(ByteSource):
         self.bytes_read = 0
 
     def _read(self, offset: int, n: int) -> memoryview:
-        out = bytearray(n)
-        view = memoryview(out)
-        pos = 0
-        while pos < n:
-            got = os.preadv(self._fd, [view[pos:]], offset + pos)
-            if got == 0:
-                raise OSError(errno.EIO, "file shrank while reading", self.name)
-            pos += got
+        view = memoryview(bytearray(n))
+        _read_range(self._fd, view, 0, n, self.name or "", file_offset=offset)
         return view
 
     def view(self) -> memoryview:
@@ -328,36 +322,50 @@ class FileSource(ByteSource):
             self.close()
 
 
-class DirFiles(Mapping[str, Any]):
-    """The files below a directory, by relative POSIX path, read on access.
+class FileSet(Mapping[str, Any]):
+    """Named files of a checkpoint, read on access.
 
-    ``headers=True`` yields :class:`FileSource` objects instead of whole
-    buffers (for ``inspect``).  Symlinks pointing outside the directory are
-    not followed.
+    Keys are a directory's relative POSIX paths (:meth:`directory`) or a
+    multi-file format's roles (:meth:`existing`).  ``headers=True`` yields
+    :class:`FileSource` objects instead of whole buffers (for ``inspect``).
     """
 
     def __init__(
-        self, root: str | os.PathLike[str], *, mmap: bool = False, headers: bool = False
+        self, paths: Mapping[str, Path], *, mmap: bool = False, headers: bool = False
     ) -> None:
-        self.root = Path(root)
+        self.paths = dict(paths)
         self._mmap = mmap
         self._headers = headers
-        self._names = sorted(_walk(self.root))
+
+    @classmethod
+    def directory(
+        cls, root: str | os.PathLike[str], *, mmap: bool = False, headers: bool = False
+    ) -> FileSet:
+        """The files below ``root``; symlinks pointing outside it are not followed."""
+        base = Path(root)
+        names = sorted(_walk(base))
+        return cls({n: base.joinpath(*n.split("/")) for n in names}, mmap=mmap, headers=headers)
+
+    @classmethod
+    def existing(
+        cls, roles: Mapping[str, Path], *, mmap: bool = False, headers: bool = False
+    ) -> FileSet:
+        """Those of a multi-file format's role paths that exist."""
+        paths = {r: Path(p) for r, p in roles.items() if Path(p).is_file()}
+        return cls(paths, mmap=mmap, headers=headers)
 
     def __getitem__(self, name: str) -> Any:
-        if name not in self._names:
-            raise KeyError(name)
-        full = self.root.joinpath(*name.split("/"))
-        return FileSource(full) if self._headers else read_file(full, mmap=self._mmap)
+        path = self.paths[name]
+        return FileSource(path) if self._headers else read_file(path, mmap=self._mmap)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
+        return iter(self.paths)
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self.paths)
 
     def path_of(self, name: str) -> str:
-        return str(self.root.joinpath(*name.split("/")))
+        return str(self.paths[name])
 
 
 def _walk(root: Path) -> Iterator[str]:
@@ -374,27 +382,3 @@ def _walk(root: Path) -> Iterator[str]:
             if base not in real.parents:
                 continue
             yield full.relative_to(root).as_posix()
-
-
-class LocatedFiles(Mapping[str, Any]):
-    """The existing files among a multi-file format's roles, read on access."""
-
-    def __init__(
-        self, roles: Mapping[str, Path], *, mmap: bool = False, headers: bool = False
-    ) -> None:
-        self.roles = {r: Path(p) for r, p in roles.items() if Path(p).is_file()}
-        self._mmap = mmap
-        self._headers = headers
-
-    def __getitem__(self, role: str) -> Any:
-        p = self.roles[role]
-        return FileSource(p) if self._headers else read_file(p, mmap=self._mmap)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.roles)
-
-    def __len__(self) -> int:
-        return len(self.roles)
-
-    def path_of(self, role: str) -> str:
-        return str(self.roles[role])

@@ -339,7 +339,7 @@ def _find_end(source: ByteSource) -> tuple[int, tuple[Any, ...]]:
     # The common case (no archive comment) costs one 22-byte read.
     last = bytes(source.read(size - _END.size, _END.size, "zip.end"))
     if last[:4] == _SIG_END:
-        rec = _END.unpack_from(last, 0)
+        rec = Reader(last, source=source.name, start=size - _END.size).struct(_END, "zip.end")
         if rec[7] == 0:
             return size - _END.size, rec
     tail_len = min(size, _END.size + _MAX_COMMENT)
@@ -348,7 +348,9 @@ def _find_end(source: ByteSource) -> tuple[int, tuple[Any, ...]]:
     pos = tail.rfind(_SIG_END)
     while pos >= 0:
         if pos + _END.size <= len(tail):
-            rec = _END.unpack_from(tail, pos)
+            rec = Reader(
+                tail[pos : pos + _END.size], source=source.name, start=tail_at + pos
+            ).struct(_END, "zip.end")
             if pos + _END.size + rec[7] == len(tail):
                 return tail_at + pos, rec
         pos = tail.rfind(_SIG_END, 0, pos)
@@ -657,11 +659,9 @@ def inspect_npz(source: ByteSource | Buffer) -> list[tuple[str, NpyHeader, ZipMe
             first = min(m.compressed_size, 128)
             r = src.reader(m.data_offset, first, f"{key}.npy")
             if first >= 12 and bytes(r.view[:6]) == MAGIC:
-                hlen = (
-                    _U16.unpack_from(r.view, 8)[0] + 10
-                    if r.view[6] == 1
-                    else _U32.unpack_from(r.view, 8)[0] + 12
-                )
+                length = Reader(r.view[8:12], source=src.name, start=m.data_offset + 8)
+                field = f"{key}.npy header length"
+                hlen = length.u16(field) + 10 if r.view[6] == 1 else length.u32(field) + 12
                 if hlen > first:
                     want = min(m.compressed_size, hlen, 12 + MAX_HEADER_LEN)
                     r = src.reader(m.data_offset, want, f"{key}.npy")
@@ -738,14 +738,17 @@ def encode_npz(items: Iterable[tuple[str, Any]]) -> list[Buffer]:
         if offset > _ZIP64_LIMIT:
             extra.append(offset)
             hoff = 0xFFFFFFFF
-        extra_bytes = struct.pack(f"<HH{len(extra)}Q", 1, 8 * len(extra), *extra) if extra else b""
+        extra_len = _EXTRA_HEAD.size + 8 * len(extra) if extra else 0
         w.struct(
             _CENTRAL, _SIG_CENTRAL, _ZIP64_VERSION, 3, _ZIP64_VERSION, 0, flags, _STORED, 0,
-            _DOSDATE_1980, crc, csize, fsize, len(raw_name), len(extra_bytes), 0, 0, 0,
+            _DOSDATE_1980, crc, csize, fsize, len(raw_name), extra_len, 0, 0, 0,
             _EXTERNAL_ATTR, hoff,
         )  # fmt: skip
         w.raw(raw_name)
-        w.raw(extra_bytes)
+        if extra:  # zip64 extended information: tag 1, then the 64-bit values
+            w.struct(_EXTRA_HEAD, 1, 8 * len(extra))
+            for value in extra:
+                w.u64(value)
     end_of_cd = w.nbytes
     count = len(central)
     cd_size = end_of_cd - cd_offset

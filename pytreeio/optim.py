@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .errors import FormatError, MismatchError
+from .tree import is_namedtuple, restore
 
 __all__ = ["to_netcl", "from_netcl", "json_ready", "nested_to_array"]
 
@@ -46,8 +47,6 @@ def _default_flatten(tree: Any) -> list[np.ndarray]:
 def _default_unflatten(arrays: list[np.ndarray], like: Any, what: str) -> Any:
     import jax
 
-    from .tree import restore
-
     leaves, treedef = jax.tree_util.tree_flatten(like)
     if len(leaves) != len(arrays):
         raise MismatchError(
@@ -63,13 +62,9 @@ def _default_unflatten(arrays: list[np.ndarray], like: Any, what: str) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _is_namedtuple(x: Any) -> bool:
-    return isinstance(x, tuple) and hasattr(x, "_fields")
-
-
 def _walk(state: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], Any]]:
     """Every NamedTuple state in an optax (possibly nested) chain, with its position."""
-    if _is_namedtuple(state):
+    if is_namedtuple(state):
         return [(path, state)]
     if isinstance(state, tuple | list):
         out = []
@@ -211,8 +206,6 @@ def from_netcl(
     """
     import jax
 
-    from .tree import restore
-
     flat = flatten or _default_flatten
     unflat = unflatten or _default_unflatten
     if not isinstance(state, Mapping):
@@ -267,7 +260,7 @@ def from_netcl(
     def rebuild(node: Any, path: tuple[Any, ...]) -> Any:
         if path in new:
             return new[path]
-        if _is_namedtuple(node):
+        if is_namedtuple(node):
             return node
         if isinstance(node, tuple | list):
             return type(node)(rebuild(c, (*path, i)) for i, c in enumerate(node))

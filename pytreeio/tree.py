@@ -43,6 +43,9 @@ __all__ = [
     "describe_leaf",
     "MISSING",
     "node_children",
+    "is_namedtuple",
+    "namedtuple_fields",
+    "is_jax_array",
 ]
 
 Component = str | int | tuple[str, int]  # str key, int dict key, ("[", index) for sequences
@@ -165,8 +168,20 @@ def is_array_leaf(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, Mapping)
 
 
-def _is_namedtuple(x: Any) -> bool:
+def is_namedtuple(x: Any) -> bool:
+    """True for instances of ``typing.NamedTuple``/``collections.namedtuple`` classes."""
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def namedtuple_fields(nt: Any) -> list[str]:
+    """The field names of a NamedTuple instance."""
+    return list(type(nt)._fields)
+
+
+def is_jax_array(x: Any) -> bool:
+    """True for a ``jax.Array``; never imports jax (nothing can be one unless it is loaded)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(x, jax.Array)
 
 
 def _sorted_keys(d: Mapping[Any, Any]) -> list[Any]:
@@ -205,7 +220,7 @@ def node_children(node: Any) -> Children | None:
                 return d
 
         return [(k, node[k]) for k in keys], rebuild_mapping
-    if _is_namedtuple(node):
+    if is_namedtuple(node):
         nt: Any = type(node)
 
         def rebuild_namedtuple(values: list[Any]) -> Any:
@@ -353,7 +368,7 @@ def _lookup(native: Any, comp: Component) -> Any:
         if isinstance(comp, int) and str(comp) in native:
             return native[str(comp)]
         return MISSING
-    if _is_namedtuple(native) and isinstance(comp, str):
+    if is_namedtuple(native) and isinstance(comp, str):
         return getattr(native, comp, MISSING)
     if isinstance(native, list | tuple):
         if isinstance(comp, tuple):
@@ -376,7 +391,7 @@ def _holds_data(native: Any, key: Any) -> bool:
     value = native[key]
     if value is None:
         return False
-    if isinstance(value, Mapping | list | tuple) and not _is_namedtuple(value):
+    if isinstance(value, Mapping | list | tuple) and not is_namedtuple(value):
         return len(value) > 0
     return True
 
@@ -388,7 +403,7 @@ def _consumed_key(native: Any, comp: Component) -> Any:
         if comp in native:
             return comp
         return str(comp)
-    if _is_namedtuple(native) and isinstance(comp, str):
+    if is_namedtuple(native) and isinstance(comp, str):
         return type(native)._fields.index(comp)
     if isinstance(comp, tuple):
         return comp[1]
@@ -447,13 +462,18 @@ def restore(
             consumed.add(_consumed_key(native, comp))
         values.append(restore(child_native, child_like, path=(*path, comp), convert=convert))
     extra = {k for k in (_native_keys(native) or set()) - consumed if _holds_data(native, k)}
+    _refuse_extra(extra, path)
+    return rebuild(values)
+
+
+def _refuse_extra(extra: set[Any], path: tuple[Component, ...]) -> None:
+    """Raise for file entries the caller's ``like`` has no place for (they would be lost)."""
     if extra:
         names = sorted(str(k) for k in extra)
+        more = " ..." if len(names) > 10 else ""
         raise MismatchError(
-            f"the file has entries that `like` lacks: {names[:10]}{' ...' if len(names) > 10 else ''}",
-            key_path=key_string(path),
+            f"the file has entries that `like` lacks: {names[:10]}{more}", key_path=key_string(path)
         )
-    return rebuild(values)
 
 
 def _plain_keys(d: dict[Any, Any]) -> bool:
@@ -468,13 +488,7 @@ def _restore_plain_dict(
     for k, child_like in like.items():
         out[k] = restore(native.get(k, MISSING), child_like, path=(*path, k), convert=convert)
     if len(native) != len(like):
-        extra = {k for k in native if k not in like and _holds_data(native, k)}
-        if extra:
-            names = sorted(str(k) for k in extra)
-            raise MismatchError(
-                f"the file has entries that `like` lacks: {names[:10]}{' ...' if len(names) > 10 else ''}",
-                key_path=key_string(path),
-            )
+        _refuse_extra({k for k in native if k not in like and _holds_data(native, k)}, path)
     return out
 
 

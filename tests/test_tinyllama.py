@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tinyllama_data import random_tree
 
 import pytreeio as ptio
 from pytreeio import registry
@@ -50,43 +51,13 @@ def weights() -> bytes:
     return WEIGHTS.read_bytes()
 
 
-def make_tree(cfg: dict[str, Any], seed: int = 0) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
-    d, f, s, v = cfg["d_model"], cfg["ffn_hidden_dim"], cfg["max_seq_len"], cfg["vocab_size"]
-
-    def arr(*shape: int) -> np.ndarray:
-        return rng.normal(0, 0.02, size=shape).astype(np.float32)
-
-    layers = [
-        {
-            "wq": arr(d, d),
-            "wk": arr(d, d),
-            "wv": arr(d, d),
-            "wo": arr(d, d),
-            "w1": arr(d, f),
-            "b1": arr(f),
-            "w2": arr(f, d),
-            "b2": arr(d),
-            "ln1": {"scale": arr(d), "bias": arr(d)},
-            "ln2": {"scale": arr(d), "bias": arr(d)},
-        }
-        for _ in range(cfg["n_layers"])
-    ]
-    return {
-        "tok_embedding": arr(v, d),
-        "pos_embedding": arr(s, d),
-        "layers": layers,
-        "output": arr(d, v),
-    }
-
-
 def meta_of(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"config": {"n_heads": cfg["n_heads"], "dropout": cfg["dropout"]}}
 
 
 @pytest.fixture(scope="module")
 def small() -> bytes:
-    return tl.encode(make_tree(SMALL_CONFIG), meta=meta_of(SMALL_CONFIG)).tobytes()
+    return tl.encode(random_tree(SMALL_CONFIG), meta=meta_of(SMALL_CONFIG)).tobytes()
 
 
 def patched(data: bytes, offset: int, fmt: str, *values: Any) -> bytes:
@@ -302,7 +273,7 @@ def test_layer_1_wq_dims_message(weights: bytes) -> None:
 def test_record_dims_named_even_when_the_size_differs() -> None:
     # A writer that really wrote layer 1 Wq as [4, 2]: the file is shorter than the
     # header implies; the error names the record, not just the size.
-    tree = make_tree(SMALL_CONFIG)
+    tree = random_tree(SMALL_CONFIG)
     good = tl.encode(tree, meta=meta_of(SMALL_CONFIG)).tobytes()
     rec = next(r for r in records(SMALL_CONFIG) if r.field == "layer 1 Wq")
     bad = bytearray(good[: rec.offset])
@@ -427,7 +398,7 @@ def test_round_trip_property(
     d, h = d_heads
     cfg = {"d_model": d, "n_layers": n_layers, "n_heads": h, "ffn_hidden_dim": f}
     cfg.update({"max_seq_len": s, "vocab_size": v, "dropout": dropout})
-    tree = make_tree(cfg, seed=n_layers)
+    tree = random_tree(cfg, seed=n_layers)
     data = tl.encode(tree, meta=meta_of(cfg)).tobytes()
     assert len(data) == tl.file_size(cfg)
     back, meta = tl.decode(data)
@@ -441,17 +412,17 @@ def test_round_trip_property(
 @pytest.mark.parametrize("dropout", [0.1, 0.3, 1 / 3, 1e-45, 0.0, 1.0, 0.9999999])
 def test_dropout_is_stored_as_f32_exactly(dropout: float) -> None:
     cfg = {**SMALL_CONFIG, "dropout": dropout}
-    data = tl.encode(make_tree(cfg), meta=meta_of(cfg)).tobytes()
+    data = tl.encode(random_tree(cfg), meta=meta_of(cfg)).tobytes()
     assert data[32:36] == struct.pack("<f", dropout)
     _, meta = tl.decode(data)
     assert meta["config"]["dropout"] == float(np.float32(dropout))
-    again = tl.encode(make_tree(cfg), meta=meta).tobytes()
+    again = tl.encode(random_tree(cfg), meta=meta).tobytes()
     assert again[32:36] == data[32:36]
 
 
 def test_encode_references_arrays_without_copying() -> None:
     cfg = {**SMALL_CONFIG, "vocab_size": 64, "d_model": 32}
-    tree = make_tree(cfg)
+    tree = random_tree(cfg)
     chunks = tl.encode(tree, meta=meta_of(cfg)).chunks
     big = tree["tok_embedding"]  # 8 KiB: referenced, not copied
     assert any(np.shares_memory(np.frombuffer(c, np.uint8), big) for c in chunks)
@@ -462,11 +433,11 @@ def test_encode_requires_uninferable_fields(missing: str) -> None:
     meta = meta_of(SMALL_CONFIG)
     del meta["config"][missing]
     with pytest.raises(EncodeError) as exc:
-        tl.encode(make_tree(SMALL_CONFIG), meta=meta)
+        tl.encode(random_tree(SMALL_CONFIG), meta=meta)
     assert missing in str(exc.value)
     assert exc.value.key_path == f"meta/config/{missing}"
     with pytest.raises(EncodeError, match="n_heads"):
-        tl.encode(make_tree(SMALL_CONFIG))
+        tl.encode(random_tree(SMALL_CONFIG))
 
 
 @pytest.mark.parametrize(
@@ -476,7 +447,7 @@ def test_encode_requires_uninferable_fields(missing: str) -> None:
 def test_encode_meta_must_agree_with_shapes(name: str, value: int) -> None:
     meta = {"config": {**SMALL_CONFIG, name: value}}
     with pytest.raises(MismatchError) as exc:
-        tl.encode(make_tree(SMALL_CONFIG), meta=meta)
+        tl.encode(random_tree(SMALL_CONFIG), meta=meta)
     assert exc.value.key_path == f"meta/config/{name}"
     assert (exc.value.expected, exc.value.found) == (SMALL_CONFIG[name], value)
 
@@ -495,11 +466,11 @@ def test_encode_meta_must_agree_with_shapes(name: str, value: int) -> None:
 )
 def test_encode_rejects_bad_meta(meta: dict[str, Any]) -> None:
     with pytest.raises(EncodeError):
-        tl.encode(make_tree(SMALL_CONFIG), meta=meta)
+        tl.encode(random_tree(SMALL_CONFIG), meta=meta)
 
 
 def test_encode_rejects_wrong_shape_naming_key_path() -> None:
-    tree = make_tree(SMALL_CONFIG)
+    tree = random_tree(SMALL_CONFIG)
     tree["layers"][1]["wq"] = np.zeros((4, 3), np.float32)
     with pytest.raises(EncodeError) as exc:
         tl.encode(tree, meta=meta_of(SMALL_CONFIG))
@@ -508,23 +479,23 @@ def test_encode_rejects_wrong_shape_naming_key_path() -> None:
 
 
 def test_encode_rejects_missing_and_extra_entries() -> None:
-    tree = make_tree(SMALL_CONFIG)
+    tree = random_tree(SMALL_CONFIG)
     del tree["layers"][0]["ln2"]["bias"]
     with pytest.raises(EncodeError) as exc:
         tl.encode(tree, meta=meta_of(SMALL_CONFIG))
     assert exc.value.key_path == "layers/[0]/ln2/bias"
-    tree = make_tree(SMALL_CONFIG)
+    tree = random_tree(SMALL_CONFIG)
     tree["final_norm"] = np.ones(4, np.float32)
     with pytest.raises(EncodeError, match="final_norm"):
         tl.encode(tree, meta=meta_of(SMALL_CONFIG))
-    tree = make_tree(SMALL_CONFIG)
+    tree = random_tree(SMALL_CONFIG)
     tree["layers"] = []
     with pytest.raises(EncodeError):
         tl.encode(tree, meta=meta_of(SMALL_CONFIG))
 
 
 def test_encode_refuses_other_dtypes_unless_cast() -> None:
-    tree = make_tree(SMALL_CONFIG)
+    tree = random_tree(SMALL_CONFIG)
     want = tl.encode(tree, meta=meta_of(SMALL_CONFIG)).tobytes()
     tree64 = map_arrays(lambda a: a.astype(np.float64), tree)
     with pytest.raises(EncodeError, match="cast=True"):
@@ -537,14 +508,14 @@ def test_encode_refuses_other_dtypes_unless_cast() -> None:
 
 
 def test_encode_big_endian_float32_is_not_a_cast() -> None:
-    tree = make_tree(SMALL_CONFIG)
+    tree = random_tree(SMALL_CONFIG)
     want = tl.encode(tree, meta=meta_of(SMALL_CONFIG)).tobytes()
     swapped = map_arrays(lambda a: a.astype(">f4"), tree)
     assert tl.encode(swapped, meta=meta_of(SMALL_CONFIG)).tobytes() == want
 
 
 def test_encode_accepts_flax_and_state_dict_layouts() -> None:
-    tree = make_tree(SMALL_CONFIG)
+    tree = random_tree(SMALL_CONFIG)
     want = tl.encode(tree, meta=meta_of(SMALL_CONFIG)).tobytes()
     flax_params = {k: v for k, v in tree.items() if k != "layers"}
     flax_params.update({f"layers_{i}": layer for i, layer in enumerate(tree["layers"])})
@@ -560,7 +531,7 @@ def test_encode_accepts_flax_and_state_dict_layouts() -> None:
 
 
 def test_encode_does_not_mutate_the_tree() -> None:
-    tree = make_tree(SMALL_CONFIG)
+    tree = random_tree(SMALL_CONFIG)
     before = map_arrays(np.copy, tree)
     tl.encode(tree, meta=meta_of(SMALL_CONFIG))
     assert_trees_equal(tree, before)
@@ -571,7 +542,7 @@ def test_encode_does_not_mutate_the_tree() -> None:
 
 def test_restore_into_native_and_flax_layouts(small: bytes) -> None:
     native, meta = tl.decode(small)
-    like_native = make_tree(SMALL_CONFIG, seed=9)
+    like_native = random_tree(SMALL_CONFIG, seed=9)
     assert_trees_equal(tl.restore(native, meta, like_native), native)
     flax_like = {k: v for k, v in like_native.items() if k != "layers"}
     flax_like.update({f"layers_{i}": x for i, x in enumerate(like_native["layers"])})
@@ -582,7 +553,7 @@ def test_restore_into_native_and_flax_layouts(small: bytes) -> None:
 
 def test_restore_mismatch_names_key_path(small: bytes) -> None:
     native, meta = tl.decode(small)
-    like = make_tree(SMALL_CONFIG)
+    like = random_tree(SMALL_CONFIG)
     like["layers"][1]["wq"] = np.zeros((4, 2), np.float32)
     with pytest.raises(MismatchError) as exc:
         tl.restore(native, meta, like)
@@ -623,4 +594,4 @@ def test_api_errors_name_the_file(weights: bytes, tmp_path: Path) -> None:
 
 def test_api_save_requires_format_for_bin(tmp_path: Path) -> None:
     with pytest.raises(ptio.UnknownFormatError):
-        ptio.save(tmp_path / "w.bin", make_tree(SMALL_CONFIG), meta=meta_of(SMALL_CONFIG))
+        ptio.save(tmp_path / "w.bin", random_tree(SMALL_CONFIG), meta=meta_of(SMALL_CONFIG))

@@ -39,7 +39,7 @@ from .. import dtypes
 from ..binary import ByteSource, Reader, Writer
 from ..errors import EncodeError
 from ..registry import Decoded, Encoded, Entry, Format, Info, Probe, register
-from ..tree import key_string
+from ..tree import is_jax_array, is_namedtuple, key_string, namedtuple_fields
 
 __all__ = ["FORMAT", "encode", "decode", "inspect", "MAX_CHUNK_BYTES"]
 
@@ -150,7 +150,7 @@ class _Encoder:
                 f"tree is nested deeper than {_MAX_DEPTH} levels", key_path=key_string(path)
             )
         t = type(x)
-        if t is np.ndarray:
+        if t is np.ndarray or is_jax_array(x):
             arr = _as_host_array(x, path)
             if arr.nbytes > self.chunk_bytes:
                 self.chunked(arr, path)
@@ -182,27 +182,14 @@ class _Encoder:
                 seen.add(sk)
                 items.append((sk, v))
             self.mapping(items, path, depth)
-        elif isinstance(x, tuple) and hasattr(type(x), "_fields"):
-            self.mapping([(f, getattr(x, f)) for f in _field_names(x)], path, depth)
+        elif is_namedtuple(x):
+            self.mapping([(f, getattr(x, f)) for f in namedtuple_fields(x)], path, depth)
         elif isinstance(x, list | tuple):
             self.mapping([(str(i), v) for i, v in enumerate(x)], path, depth)
-        elif isinstance(x, np.ndarray) or _is_jax_array(x):
-            arr = _as_host_array(x, path)
-            if arr.nbytes > self.chunk_bytes:
-                self.chunked(arr, path)
-            else:
-                self.ext_array(arr, _EXT_NDARRAY)
+        elif isinstance(x, np.ndarray):  # ndarray subclasses
+            self.value(np.asarray(x), path, depth)
         else:
             self.value(_state_dict_of(x, path), path, depth + 1)
-
-
-def _field_names(nt: Any) -> list[str]:
-    return list(type(nt)._fields)
-
-
-def _is_jax_array(x: Any) -> bool:
-    jax = sys.modules.get("jax")
-    return jax is not None and isinstance(x, jax.Array)
 
 
 def _state_dict_of(x: Any, path: tuple[Any, ...]) -> Any:
@@ -406,16 +393,17 @@ class _Parser:
         raise r.error(f"unknown msgpack extension type {code}", field, body.start - 1)
 
     def ndarray(self, body: Reader, field: str) -> Any:
-        fast = _fast_array_header(body)
-        if fast is not None:
-            shape, dt, n = fast
-            if self.skip_data:
-                body.skip(n, field)
-                body.expect_end(field)
-                return _ArrayHeader(shape, dt, n)
-            arr = body.array(dt, shape, field)
+        shape, dt, n = _fast_array_header(body) or self.array_header(body, field)
+        if self.skip_data:
+            body.skip(n, field)
             body.expect_end(field)
-            return arr
+            return _ArrayHeader(shape, dt, n)
+        arr = body.array(dt, shape, field)
+        body.expect_end(field)
+        return arr
+
+    def array_header(self, body: Reader, field: str) -> tuple[tuple[int, ...], np.dtype[Any], int]:
+        """``[shape, dtype name, bin header]`` of any spelling, each part checked."""
         start = body.offset
         head = body.u8(field)
         if head != 0x93:
@@ -456,13 +444,7 @@ class _Parser:
                 field,
                 bin_at,
             )
-        if self.skip_data:
-            body.skip(n, field)
-            body.expect_end(field)
-            return _ArrayHeader(tuple(shape), dt, n)
-        arr = body.array(dt, shape, field)
-        body.expect_end(field)
-        return arr
+        return tuple(shape), dt, n
 
 
 _DTYPE_BY_FIXSTR: dict[bytes, np.dtype[Any]] = {

@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import json
 import math
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,7 +36,13 @@ from .. import dtypes
 from ..binary import ByteSource, Reader, Writer
 from ..errors import EncodeError, FormatError
 from ..registry import Decoded, Encoded, Entry, Format, Info, Probe, register
-from ..tree import component_string, node_children
+from ..tree import (
+    component_string,
+    is_jax_array,
+    is_namedtuple,
+    namedtuple_fields,
+    node_children,
+)
 
 __all__ = ["FORMAT", "encode", "decode", "inspect", "FORMAT_VERSION", "MAX_HEADER_BYTES"]
 
@@ -90,8 +95,8 @@ class _Collector:
         return node
 
     def structure(self, x: Any, key: str = "") -> Any:
-        if type(x) is np.ndarray:
-            return self.add(key, x, None)
+        if isinstance(x, np.ndarray) or is_jax_array(x):
+            return self.add(key, np.asarray(x), None)
         if x is None:
             return None
         if isinstance(x, bool):
@@ -106,8 +111,6 @@ class _Collector:
             return {"str": x}
         if isinstance(x, np.generic):
             return self.add(key, np.asarray(x), "npscalar")
-        if isinstance(x, np.ndarray) or _is_jax_array(x):
-            return self.add(key, np.asarray(x), None)
         if isinstance(x, complex | bytes):
             raise EncodeError(f"safetensors cannot store a {type(x).__name__}", key_path=key)
         kids = node_children(x)
@@ -119,10 +122,10 @@ class _Collector:
         pairs = kids[0]
         if isinstance(x, Mapping):
             return {"dict": [[k, self.structure(v, _child_key(key, k))] for k, v in pairs]}
-        if isinstance(x, tuple) and hasattr(type(x), "_fields"):
+        if is_namedtuple(x):
             return {
                 "namedtuple": type(x).__name__,
-                "fields": _field_names(x),
+                "fields": namedtuple_fields(x),
                 "items": [self.structure(v, _child_key(key, k)) for k, v in pairs],
             }
         if isinstance(x, list):
@@ -157,15 +160,6 @@ def _code_of(dt: np.dtype[Any]) -> str | None:
         if code is not None and dt.byteorder != ">":
             _CODE_BY_DTYPE[dt] = code
     return code
-
-
-def _field_names(nt: Any) -> list[str]:
-    return list(type(nt)._fields)
-
-
-def _is_jax_array(x: Any) -> bool:
-    jax = sys.modules.get("jax")
-    return jax is not None and isinstance(x, jax.Array)
 
 
 def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, **options: Any) -> Encoded:

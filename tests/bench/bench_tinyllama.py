@@ -14,6 +14,7 @@ bytes ``inspect`` reads.  Run: ``python tests/bench/bench_tinyllama.py [--dir D]
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -23,6 +24,9 @@ from typing import Any
 
 import numpy as np
 from rawio import raw_readinto, raw_write
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: shared test data
+from tinyllama_data import random_tree
 
 import pytreeio as ptio
 from pytreeio.fmt import tinyllama as tl
@@ -38,36 +42,6 @@ CONFIG = {
     "dropout": 0.1,
 }
 EXPECTED_SIZE = 208_778_164
-
-
-def build_tree(cfg: dict[str, Any]) -> dict[str, Any]:
-    rng = np.random.default_rng(0)
-    d, f, s, v = cfg["d_model"], cfg["ffn_hidden_dim"], cfg["max_seq_len"], cfg["vocab_size"]
-
-    def arr(*shape: int) -> np.ndarray:
-        return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
-
-    layers = [
-        {
-            "wq": arr(d, d),
-            "wk": arr(d, d),
-            "wv": arr(d, d),
-            "wo": arr(d, d),
-            "w1": arr(d, f),
-            "b1": arr(f),
-            "w2": arr(f, d),
-            "b2": arr(d),
-            "ln1": {"scale": np.ones(d, np.float32), "bias": np.zeros(d, np.float32)},
-            "ln2": {"scale": np.ones(d, np.float32), "bias": np.zeros(d, np.float32)},
-        }
-        for _ in range(cfg["n_layers"])
-    ]
-    return {
-        "tok_embedding": arr(v, d),
-        "pos_embedding": arr(s, d),
-        "layers": layers,
-        "output": arr(d, v),
-    }
 
 
 def best_of(repeat: int, fn: Callable[[], Any], before: Callable[[], None] | None = None) -> float:
@@ -87,7 +61,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
 
-    tree = build_tree(CONFIG)
+    tree = random_tree(CONFIG)
     meta = {"config": {"n_heads": CONFIG["n_heads"], "dropout": CONFIG["dropout"]}}
     encoded = tl.encode(tree, meta=meta)
     size = encoded.nbytes
