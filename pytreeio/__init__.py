@@ -21,16 +21,29 @@ from .api import (
     verify,
 )
 from .errors import (
+    ConversionError,
     EncodeError,
     FormatError,
     MismatchError,
     NetclMissingParamError,
     NetclShapeMismatchError,
     PytreeioError,
+    PytreeioWarning,
     QuantisationError,
     UnknownFormatError,
 )
-from .registry import Decoded, Encoded, Entry, Format, Info, Probe, register
+from .registry import (
+    DIRECTORY,
+    FILE,
+    Decoded,
+    Encoded,
+    Entry,
+    Format,
+    Info,
+    Probe,
+    Siblings,
+    register,
+)
 from .tree import flatten, unflatten
 
 __version__ = "0.1.0"
@@ -55,12 +68,17 @@ __all__ = [
     "Info",
     "Entry",
     "Probe",
+    "FILE",
+    "DIRECTORY",
+    "Siblings",
     "PytreeioError",
     "FormatError",
     "MismatchError",
     "QuantisationError",
     "UnknownFormatError",
     "EncodeError",
+    "ConversionError",
+    "PytreeioWarning",
     "NetclMissingParamError",
     "NetclShapeMismatchError",
     "__version__",

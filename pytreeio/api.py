@@ -1,8 +1,10 @@
-"""The public functions: save, load, inspect, convert, encode, decode.
+"""The public functions: save, load, inspect, verify, convert, encode, decode.
 
-This module only dispatches: it picks a format (by name, suffix or content),
-hands buffers to the format's pure functions, and hands their output to
-:mod:`pytreeio.io`.  It knows nothing about any particular format.
+This module only dispatches: it picks a format (by name, suffix or sniffing
+the probes :mod:`pytreeio.io` builds), routes each option to the format
+function that declares it, sends model-shaped trees through the common model
+form (:mod:`pytreeio.model`), and hands bytes to :mod:`pytreeio.io`.  It knows
+nothing about any particular format.
 """
 
 from __future__ import annotations
@@ -16,13 +18,30 @@ from typing import Any
 
 from . import io, registry
 from .binary import BufferSource, as_memoryview
-from .errors import FormatError, MismatchError, UnknownFormatError
-from .registry import Encoded, Format, Info, Probe
+from .errors import (
+    ConversionError,
+    EncodeError,
+    FormatError,
+    MismatchError,
+    PytreeioWarning,
+    UnknownFormatError,
+)
+from .registry import Encoded, Format, Info
 
-__all__ = ["save", "load", "inspect", "convert", "encode", "decode", "formats", "verify"]
+__all__ = [
+    "save",
+    "load",
+    "load_with_meta",
+    "inspect",
+    "inspect_buffer",
+    "verify",
+    "convert",
+    "encode",
+    "decode",
+    "formats",
+]
 
 PathLike = str | os.PathLike[str]
-_SNIFF_BYTES = 512
 
 
 def formats() -> dict[str, Format]:
@@ -37,88 +56,63 @@ def formats() -> dict[str, Format]:
 
 def _format_for_save(path: PathLike, format: str | Format | None) -> Format:
     if format is not None:
-        return registry.get(format)
+        return registry.get(format, path=path)
     fmt = registry.for_suffix(path)
     if fmt is None:
         names = ", ".join(sorted(registry.formats()))
         raise UnknownFormatError(
-            f"cannot tell the format of {os.fspath(path)!r} from its suffix; pass format= "
-            f"(one of: {names})"
+            f"cannot tell the format from the suffix; pass format= (one of: {names})",
+            path=os.fspath(path),
         )
     return fmt
 
 
-def _probe(path: Path) -> Probe:
-    if path.is_dir():
-        return Probe(path, names=frozenset(io.FileSet.directory(path)))
-    with open(path, "rb") as f:
-        head = f.read(_SNIFF_BYTES)
-        size = os.fstat(f.fileno()).st_size
-    return Probe(path, head=head, size=size)
-
-
 def _format_for_load(path: PathLike, format: str | Format | None) -> Format:
     if format is not None:
-        return registry.get(format)
-    p = Path(path)
-    if p.exists():
-        fmt = registry.sniff(_probe(p))
-        if fmt is None:
-            # Content unrecognised: a suffix still names the format, whose
-            # decoder then says precisely what is wrong with the bytes.
-            fmt = registry.for_suffix(p) if p.is_file() else None
-        if fmt is None:
-            raise UnknownFormatError(
-                f"{os.fspath(path)}: content matches no registered format; pass format="
-            )
+        return registry.get(format, path=path)
+    seen: list[registry.Probe] = []
+
+    def probe_for(layout: registry.Layout) -> registry.Probe:
+        probe = io.probe(path, layout)
+        seen.append(probe)
+        return probe
+
+    fmt = registry.best_match(probe_for)
+    if fmt is not None:
         return fmt
-    # Multi-file formats may be addressed by a stem that is not itself a file.
-    for fmt in registry.iter_formats():
-        if fmt.layout == "files" and fmt.locate is not None:
-            roles = fmt.locate(p)
-            if any(Path(r).is_file() for r in roles.values()) and fmt.sniff(Probe(p)):
-                return fmt
-    raise FileNotFoundError(2, "No such file or directory", os.fspath(path))
-
-
-# --------------------------------------------------------------------------
-# sources
-# --------------------------------------------------------------------------
-
-
-def _open_source(path: PathLike, fmt: Format, *, mmap: bool, headers: bool = False) -> Any:
-    p = Path(path)
-    if fmt.layout == "file":
-        if p.is_dir():
-            raise FormatError(
-                f"format {fmt.name!r} is a single file, but this is a directory", path=str(p)
-            )
-        return io.FileSource(p) if headers else io.read_file(p, mmap=mmap)
-    if fmt.layout == "dir":
-        if not p.is_dir():
-            if not p.exists():
-                raise FileNotFoundError(2, "No such file or directory", str(p))
-            raise FormatError(
-                f"format {fmt.name!r} is a directory, but this is a file", path=str(p)
-            )
-        return io.FileSet.directory(p, mmap=mmap, headers=headers)
-    assert fmt.locate is not None, f"format {fmt.name} has layout 'files' but no locate()"
-    located = io.FileSet.existing(fmt.locate(p), mmap=mmap, headers=headers)
-    if not len(located):
-        raise FileNotFoundError(2, "No such file or directory", str(p))
-    return located
-
-
-def _check_load_options(fmt: Format, options: Mapping[str, Any]) -> None:
-    if fmt.load_options is None:
-        return
-    unknown = sorted(set(options) - fmt.load_options)
-    if unknown:
-        accepted = ", ".join(sorted(fmt.load_options)) or "none"
-        raise TypeError(
-            f"format {fmt.name!r} does not take the load option(s) {', '.join(unknown)} "
-            f"(accepted: {accepted})"
+    if all(p.kind == "missing" and not p.siblings for p in seen):
+        raise FileNotFoundError(2, "No such file or directory", os.fspath(path))
+    # Content unrecognised: a suffix still names the format, whose decoder
+    # then says precisely what is wrong with the bytes.
+    fmt = registry.for_suffix(path) if Path(path).is_file() else None
+    if fmt is None:
+        raise UnknownFormatError(
+            "the content matches no registered format; pass format=", path=os.fspath(path)
         )
+    return fmt
+
+
+# --------------------------------------------------------------------------
+# options and errors
+# --------------------------------------------------------------------------
+
+
+def _split_convert_options(
+    source: Format, target: Format, options: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Route each convert option to the source's load functions and/or the target's save functions."""
+    load_names, save_names = source.load_options, target.save_options
+    unknown = sorted(set(options) - load_names - save_names)
+    if unknown:
+        raise TypeError(
+            f"convert takes no option(s) {', '.join(unknown)}: format {source.name!r} loads with "
+            f"{sorted(load_names) or 'none'}, format {target.name!r} saves with "
+            f"{sorted(save_names) or 'none'}"
+        )
+    return (
+        {k: v for k, v in options.items() if k in load_names},
+        {k: v for k, v in options.items() if k in save_names},
+    )
 
 
 @contextmanager
@@ -135,20 +129,90 @@ def _errors_located(path: PathLike | None, source: Any = None) -> Iterator[None]
         raise
 
 
+def _deliver_deferred(encoded: Encoded) -> None:
+    """Raise (strict) or warn about the errors of a save that partly succeeded, after the write."""
+    for exc in encoded.deferred:
+        if encoded.strict:
+            raise exc
+        warnings.warn(str(exc), PytreeioWarning, stacklevel=3)
+
+
 # --------------------------------------------------------------------------
-# public API
+# trees <-> encodings, through the common model form where it applies
 # --------------------------------------------------------------------------
 
 
-def encode(
-    tree: Any, format: str | Format, *, meta: Mapping[str, Any] | None = None, **options: Any
+def _call(fn: Any, fmt: Format, options: Mapping[str, Any], *args: Any, **fixed: Any) -> Any:
+    return fn(*args, **fixed, **fmt.options_for(fn, options))
+
+
+def _encode(
+    fmt: Format,
+    tree: Any,
+    meta: Mapping[str, Any] | None,
+    options: Mapping[str, Any],
+    dest: PathLike | None,
+    *,
+    lossy: bool = False,
+    model: Any = None,
 ) -> Encoded:
-    """Encode ``tree`` in ``format`` without touching the file system."""
-    fmt = registry.get(format)
-    return fmt.encode(tree, meta=dict(meta) if meta is not None else None, **options)
+    """Encode ``tree`` (or ``model``, already in the common form) in ``fmt``."""
+    from . import model as model_mod
+
+    fmt.check_options(options, "save")
+    opts = dict(options)
+    layers = opts.pop("layers", None)
+    out_meta: dict[str, Any] | None = dict(meta) if meta is not None else None
+    if model is None and fmt.is_model_format and model_mod.is_model_like(tree):
+        hint = layers if layers is not None else model_mod.layer_list(meta)
+        model = model_mod.model_of(tree, layers=hint)
+    elif model is None and layers is not None:
+        raise TypeError(
+            f"layers= describes a Flax model, and this tree is not one (format {fmt.name!r} "
+            "takes its native tree as is)"
+        )
+    if model is not None:
+        assert fmt.from_model is not None
+        fixed: dict[str, Any] = {"meta": out_meta}
+        if _takes(fmt.from_model, "lossy"):
+            fixed["lossy"] = lossy
+        tree, out_meta = _call(fmt.from_model, fmt, opts, model, **fixed)
+    if out_meta and not fmt.accepts_meta:
+        warnings.warn(
+            f"format {fmt.name!r} cannot store meta; dropping {sorted(out_meta)}",
+            PytreeioWarning,
+            stacklevel=3,
+        )
+        out_meta = None
+    enc_fixed: dict[str, Any] = {"meta": out_meta}
+    if _takes(fmt.encode, "dest"):
+        enc_fixed["dest"] = os.fspath(dest) if dest is not None else None
+    return _call(fmt.encode, fmt, opts, tree, **enc_fixed)
 
 
-def _as_source(data: Any, fmt: Format) -> Any:
+def _takes(fn: Any, name: str) -> bool:
+    import inspect as _inspect
+
+    try:
+        return name in _inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _restore(
+    fmt: Format, native: Any, meta: dict[str, Any], like: Any, options: Mapping[str, Any]
+) -> Any:
+    from . import model as model_mod
+
+    if fmt.is_model_format and model_mod.is_model_like(like):
+        assert fmt.to_model is not None
+        fixed = {"like": like} if _takes(fmt.to_model, "like") else {}
+        model = _call(fmt.to_model, fmt, options, native, meta, **fixed)
+        return model_mod.restore_model(model, like)
+    return _call(fmt.restore, fmt, options, native, meta, like)
+
+
+def _as_source(data: Any) -> Any:
     if isinstance(data, Encoded):
         if data.files is not None:
             return {k: memoryview(v.tobytes()) for k, v in data.files.items()}
@@ -160,17 +224,38 @@ def _as_source(data: Any, fmt: Format) -> Any:
     return as_memoryview(data)
 
 
+# --------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------
+
+
+def encode(
+    tree: Any,
+    format: str | Format,
+    *,
+    meta: Mapping[str, Any] | None = None,
+    dest: PathLike | None = None,
+    **options: Any,
+) -> Encoded:
+    """Encode ``tree`` in ``format`` without touching the file system.
+
+    ``dest`` is the path the bytes are meant for, for formats that record it
+    (cl-waffe2 writes it into ``parameters.json``); nothing is written there.
+    """
+    return _encode(registry.get(format), tree, meta, options, dest)
+
+
 def decode(data: Any, format: str | Format, *, like: Any = None, **options: Any) -> Any:
     """Decode an :class:`Encoded` or a buffer (a mapping of them for multi-file formats).
 
     Returns the native tree, or the tree restored into ``like``'s structure.
     """
     fmt = registry.get(format)
-    _check_load_options(fmt, options)
-    native, meta = fmt.decode(_as_source(data, fmt), **options)
+    fmt.check_options(options, "load")
+    native, meta = _call(fmt.decode, fmt, options, _as_source(data))
     if like is None:
         return native
-    return fmt.restore(native, meta, like, **options)
+    return _restore(fmt, native, meta, like, options)
 
 
 def save(
@@ -185,27 +270,36 @@ def save(
     """Save ``tree`` to ``path`` atomically.
 
     Args:
-      path: destination file (or directory, for directory formats).
-      tree: any pytree the format accepts; it is never modified.
+      path: destination file (or directory, or sibling-file stem, by format).
+      tree: the format's native tree, or for model formats a model-shaped
+        tree (a Flax params tree, ``{'params', 'opt_state'}``, a TrainState);
+        never modified.
       format: format name; by default chosen from the suffix of ``path``.
       meta: the format's non-tensor information (see each format's docs).
-      durable: fsync the file and its directory (default).  ``False`` keeps
-        the atomic rename but skips the fsyncs.
-      **options: format-specific options.
+      durable: fsync the files and their directory (default).  ``False``
+        keeps the atomic rename but skips the fsyncs.
+      **options: the format's save options (``pytreeio formats`` lists them);
+        model formats also take ``layers=[...]`` (the layer list of a Flax
+        tree, activations included).  An option the format does not take
+        raises ``TypeError``.
     """
     fmt = _format_for_save(path, format)
-    encoded = fmt.encode(tree, meta=dict(meta) if meta is not None else None, **options)
-    io.write_atomic(path, encoded, layout=fmt.layout, locate=fmt.locate, durable=durable)
+    encoded = _encode(fmt, tree, meta, options, path)
+    io.write_atomic(path, encoded, fmt.layout, durable=durable)
+    _deliver_deferred(encoded)
 
 
 def _decode_path(
     path: PathLike, format: str | Format | None, mmap: bool, options: Mapping[str, Any]
 ) -> tuple[Format, Any, dict[str, Any]]:
     fmt = _format_for_load(path, format)
-    _check_load_options(fmt, options)
-    source = _open_source(path, fmt, mmap=mmap)
-    with _errors_located(path, source):
-        native, meta = fmt.decode(source, **options)
+    fmt.check_options(options, "load")
+    source = io.open_source(path, fmt.layout, mmap=mmap)
+    try:
+        with _errors_located(path, source):
+            native, meta = _call(fmt.decode, fmt, options, source)
+    finally:
+        _close(source)  # descriptors only: the buffers and maps read stay valid
     return fmt, native, meta
 
 
@@ -220,15 +314,17 @@ def load(
     """Load a checkpoint.
 
     Args:
-      path: the file or directory.
+      path: the file, directory or sibling-file stem.
       like: a pytree (arrays or ``jax.ShapeDtypeStruct``) whose structure,
         shapes and dtypes the result must have; leaves come back as the same
         kind (numpy, jax arrays on ``like``'s sharding, Python scalars).
-        Without it, the format's native tree is returned.
+        Model formats also fill model-shaped ``like`` trees (a Flax params
+        tree, ``{'params', 'opt_state'}``, a TrainState).  Without it, the
+        format's native tree is returned.  ``like`` is never modified.
       format: format name; by default sniffed from the content.
       mmap: map the file instead of reading it; arrays are then read-only
         views of the mapping.
-      **options: format-specific options.
+      **options: the format's load options; others raise ``TypeError``.
 
     Raises:
       FormatError: the bytes are malformed (names the file, field, offset).
@@ -238,7 +334,7 @@ def load(
     if like is None:
         return native
     with _errors_located(path):
-        return fmt.restore(native, meta, like, **options)
+        return _restore(fmt, native, meta, like, options)
 
 
 def load_with_meta(
@@ -252,21 +348,28 @@ def load_with_meta(
 def inspect(path: PathLike, format: str | Format | None = None) -> Info:
     """What a checkpoint holds (entries, shapes, dtypes, meta), reading headers only."""
     fmt = _format_for_load(path, format)
-    source = _open_source(path, fmt, mmap=False, headers=True)
+    source = io.open_source(path, fmt.layout, headers=True)
     try:
         with _errors_located(path, source):
             info = fmt.inspect(source)
     finally:
-        close = getattr(source, "close", None)
-        if close is not None:
-            close()
+        _close(source)
     return Info(format=info.format, entries=info.entries, meta=info.meta, path=os.fspath(path))
+
+
+def _close(source: Any) -> None:
+    close = getattr(source, "close", None)
+    if close is not None:
+        close()
 
 
 def inspect_buffer(data: Any, format: str | Format) -> Info:
     """:func:`inspect` for an in-memory single-file encoding."""
     fmt = registry.get(format)
-    return fmt.inspect(BufferSource(_as_source(data, fmt)))
+    source = _as_source(data)
+    if isinstance(source, Mapping):
+        return fmt.inspect({k: BufferSource(v, name=k) for k, v in source.items()})
+    return fmt.inspect(BufferSource(source))
 
 
 def convert(
@@ -276,29 +379,95 @@ def convert(
     to: str | Format,
     from_: str | Format | None = None,
     meta: Mapping[str, Any] | None = None,
+    lossy: bool = False,
     durable: bool = True,
     **options: Any,
 ) -> None:
-    """Re-encode the checkpoint at ``src`` as ``to`` at ``dst``.
+    """Re-encode the checkpoint at ``src`` as format ``to`` at ``dst``.
 
-    The source's native tree is handed to the target format; its meta is
-    carried over unless ``meta`` is given.  A target that cannot store meta
-    drops it with a warning (never silently).
+    Between two model formats the checkpoint goes through the common model
+    form (``to_model`` then ``from_model``); into other formats its native
+    tree goes as is.  The source's meta is carried over unless ``meta`` is
+    given.  Each option goes to the source's load functions and/or the
+    target's save functions that declare it; an option neither declares
+    raises ``TypeError``.  What the target cannot hold raises
+    :class:`ConversionError` before anything is written, unless ``lossy``.
     """
-    target = registry.get(to)
-    _, native, src_meta = _decode_path(src, from_, False, {})
+    target = registry.get(to, path=dst)
+    source_fmt = _format_for_load(src, from_)
+    load_opts, save_opts = _split_convert_options(source_fmt, target, options)
+    _, native, src_meta = _decode_path(src, source_fmt, False, load_opts)
     out_meta = dict(meta) if meta is not None else src_meta
-    if out_meta and not target.stores_meta:
-        warnings.warn(
-            f"format {target.name!r} cannot store meta; dropping {sorted(out_meta)}",
-            stacklevel=2,
+    with _errors_located(src):
+        encoded = _convert_encoded(
+            source_fmt,
+            target,
+            native,
+            src_meta,
+            out_meta,
+            load_opts,
+            save_opts,
+            dst,
+            lossy,
+            explicit_meta=meta is not None,
         )
-        out_meta = {}
-    encoded = target.encode(native, meta=out_meta or None, **options)
-    io.write_atomic(dst, encoded, layout=target.layout, locate=target.locate, durable=durable)
+    io.write_atomic(dst, encoded, target.layout, durable=durable)
+    _deliver_deferred(encoded)
 
 
-def verify(path: PathLike, format: str | Format | None = None) -> Info:
-    """Decode a whole checkpoint (every byte checked) and return its :class:`Info`."""
-    load(path, format=format)
-    return inspect(path, format=format)
+def _convert_encoded(
+    source: Format,
+    target: Format,
+    native: Any,
+    src_meta: dict[str, Any],
+    out_meta: dict[str, Any],
+    load_opts: Mapping[str, Any],
+    save_opts: Mapping[str, Any],
+    dst: PathLike,
+    lossy: bool,
+    *,
+    explicit_meta: bool,
+) -> Encoded:
+    if source.is_model_format and target.is_model_format and source is not target:
+        assert source.to_model is not None
+        model = _call(source.to_model, source, load_opts, native, src_meta)
+        meta = out_meta if explicit_meta else None
+        return _encode(target, None, meta, save_opts, dst, lossy=lossy, model=model)
+    if out_meta and not target.accepts_meta and not explicit_meta:
+        out_meta = {}  # the source's own meta has no place in the target: nothing the caller gave
+        if source.keeps_meta and src_meta:
+            if not lossy:
+                raise ConversionError(
+                    f"format {target.name!r} cannot store the source's meta {sorted(src_meta)}; "
+                    "pass lossy=True to drop it",
+                    what=[f"meta.{k}" for k in sorted(src_meta)],
+                )
+            warnings.warn(
+                f"dropping the source's meta {sorted(src_meta)}: format {target.name!r} cannot store it",
+                PytreeioWarning,
+                stacklevel=4,
+            )
+    try:
+        return _encode(target, native, out_meta or None, save_opts, dst, lossy=lossy)
+    except EncodeError as exc:
+        raise ConversionError(
+            f"format {target.name!r} cannot hold this {source.name} checkpoint: {exc}",
+            what=[exc.key_path or ""],
+        ) from exc
+
+
+def verify(path: PathLike, format: str | Format | None = None, **options: Any) -> Info:
+    """Decode a whole checkpoint (every byte checked) and return its :class:`Info`.
+
+    ``options`` are the format's load options.  A format that can check its
+    derived data (bullet's ``quantised.bin`` against ``raw.bin``, given
+    ``saved_format=``) reports it in the returned meta, e.g.
+    ``info.meta["quantisation_error"]`` (largest absolute error per tensor).
+    """
+    fmt = _format_for_load(path, format)
+    if "check_quantised" in fmt.load_options and "saved_format" in options:
+        options = {"check_quantised": True, **options}
+    _, _, meta = _decode_path(path, fmt, False, options)
+    info = inspect(path, format=fmt)
+    report = {k: meta[k] for k in ("quantisation_error",) if k in meta}
+    return Info(info.format, info.entries, {**info.meta, **report}, info.path)

@@ -6,6 +6,14 @@ allocated, so a hostile length field costs nothing but a :class:`FormatError`
 naming the field and the offset.  :class:`Writer` collects small headers and
 large array buffers as a list of chunks, so arrays are never copied on the way
 to the file.
+
+Shapes read from files are checked by :func:`check_shape` before numpy sees
+them: at most :data:`MAX_NDIM` dimensions, no negative dimension, and the
+product of the non-zero dimensions times the item size below
+:data:`MAX_ARRAY_BYTES` -- numpy itself raises ``ValueError`` for more
+dimensions than it supports and for a shape like ``(0, 2**62, 2**62)``
+(zero elements, but an overflowing nominal size), and zero-sized item types
+(``<U0``, ``|S0``) cannot be viewed at all.
 """
 
 from __future__ import annotations
@@ -18,7 +26,17 @@ import numpy as np
 
 from .errors import FormatError
 
-__all__ = ["Reader", "Writer", "Buffer", "ByteSource", "BufferSource", "as_memoryview"]
+__all__ = [
+    "Reader",
+    "Writer",
+    "Buffer",
+    "ByteSource",
+    "BufferSource",
+    "as_memoryview",
+    "check_shape",
+    "MAX_NDIM",
+    "MAX_ARRAY_BYTES",
+]
 
 #: Anything exposing the buffer protocol (bytes, bytearray, memoryview, mmap, ndarray).
 Buffer = Any
@@ -41,6 +59,61 @@ _BE_U64 = struct.Struct(">Q")
 _BE_I64 = struct.Struct(">q")
 _BE_F32 = struct.Struct(">f")
 _BE_F64 = struct.Struct(">d")
+
+
+def _numpy_max_ndim() -> int:
+    # numpy 2 allows 64 dimensions, numpy 1 allowed 32; ask rather than assume.
+    for n in (64, 32):
+        try:
+            np.empty((1,) * n, np.uint8)
+        except ValueError:
+            continue
+        return n
+    return 32
+
+
+#: The most dimensions an array read from a file may have (numpy's own limit).
+MAX_NDIM = _numpy_max_ndim()
+#: Bound on ``itemsize * product of the non-zero dimensions`` (numpy needs it below 2**63).
+MAX_ARRAY_BYTES = 2**62
+
+
+def check_shape(
+    shape: Sequence[Any],
+    itemsize: int,
+    *,
+    path: str | None = None,
+    field: str | None = None,
+    offset: int | None = None,
+) -> int:
+    """The element count of ``shape``, after checking that numpy can hold it.
+
+    Raises :class:`FormatError` (never numpy's ``ValueError``/``OverflowError``)
+    for non-integer or negative dimensions, more than :data:`MAX_NDIM` of
+    them, a zero ``itemsize``, or a nominal size (zeros skipped, as numpy
+    computes it) of :data:`MAX_ARRAY_BYTES` or more.
+    """
+
+    def bad(reason: str) -> FormatError:
+        return FormatError(reason, path=path, field=field, offset=offset)
+
+    if len(shape) > MAX_NDIM:
+        raise bad(f"{len(shape)} dimensions exceed numpy's limit of {MAX_NDIM}")
+    if itemsize <= 0:
+        raise bad("zero-sized item type (e.g. '<U0', '|S0') cannot be read")
+    count = 1
+    nominal = itemsize
+    for d in shape:
+        if isinstance(d, bool) or not isinstance(d, int | np.integer):
+            raise bad(f"dimension {d!r} in shape {tuple(shape)!r:.80} is not an integer")
+        if d < 0:
+            raise bad(f"negative dimension {d} in shape {tuple(shape)!r:.80}")
+        count *= int(d)
+        if d:
+            nominal *= int(d)
+            if nominal >= MAX_ARRAY_BYTES:
+                raise bad(f"shape {tuple(shape)!r:.80} is too large for any array")
+    return count
 
 
 def as_memoryview(buffer: Buffer) -> memoryview:
@@ -205,22 +278,18 @@ class Reader:
     def array(self, dtype: Any, shape: Sequence[int], field: str) -> np.ndarray:
         """The next ``prod(shape)`` elements of ``dtype`` as an array view (no copy).
 
-        The byte count is computed with Python integers and checked against
-        the remaining bytes before numpy sees the shape, so an absurd shape
-        cannot trigger an allocation or an overflow.
+        The shape is checked with :func:`check_shape` and the byte count
+        against the remaining bytes before numpy sees either, so an absurd
+        shape cannot trigger an allocation, an overflow or a numpy error.
         """
         dt = np.dtype(dtype)
-        count = 1
-        for d in shape:
-            if d < 0:
-                raise self.error(f"negative dimension {d} in shape {tuple(shape)}", field)
-            count *= d
+        count = check_shape(shape, dt.itemsize, path=self.source, field=field, offset=self.offset)
         nbytes = count * dt.itemsize
         self.need(nbytes, field)
         pos = self.pos
         self.pos = pos + nbytes
-        arr = np.frombuffer(self.view, dtype=dt, count=count, offset=pos)
-        return arr.reshape(tuple(shape))
+        # One ndarray object straight on the buffer (frombuffer + reshape makes two).
+        return np.ndarray(tuple(int(d) for d in shape), dt, buffer=self.view, offset=pos)
 
 
 class Writer:

@@ -154,25 +154,11 @@ def _netcl_section(
     params, load_ms = _timed(lambda: api.load(model, like=trainer.initial["params"]))
     same = _leaves_equal(params, mid["params"])
     rows.append(Row("netcl", str(model), _size(model), save_ms, load_ms, same, "params round trip"))
-    # netcl training checkpoint: params + AdamW moments as netcl's optim_state JSON
+    # netcl training checkpoint: the train state as is; AdamW's moments become netcl's
+    # optim_state JSON and its count netcl's t, through the common model form
     ckpt = out / "train_ckpt"
-    tree = {
-        "params": mid["params"],
-        "optim_state": mid["opt_state"],
-        "config": {"step": mid["step"]},
-    }
-    _, save_ms = _timed(lambda: api.save(ckpt, tree, format="netcl-checkpoint"))
-    like = {
-        "params": trainer.initial["params"],
-        "optim_state": trainer.initial["opt_state"],
-        "config": {},
-    }
-    got, load_ms = _timed(lambda: api.load(ckpt, like=like, format="netcl-checkpoint"))
-    state = {
-        "params": got["params"],
-        "opt_state": got["optim_state"],
-        "step": got["config"]["step"],
-    }
+    _, save_ms = _timed(lambda: api.save(ckpt, mid, format="netcl-checkpoint"))
+    state, load_ms = _timed(lambda: api.load(ckpt, like=trainer.initial, format="netcl-checkpoint"))
     resumed, _ = trainer.train(state, steps)
     files = [out / "train_ckpt.npz", out / "train_ckpt.json"]
     size = sum(f.stat().st_size for f in files)

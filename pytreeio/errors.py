@@ -13,11 +13,13 @@ from typing import Any
 
 __all__ = [
     "PytreeioError",
+    "PytreeioWarning",
     "FormatError",
     "MismatchError",
     "QuantisationError",
     "UnknownFormatError",
     "EncodeError",
+    "ConversionError",
     "NetclMissingParamError",
     "NetclShapeMismatchError",
 ]
@@ -25,6 +27,10 @@ __all__ = [
 
 class PytreeioError(Exception):
     """Base class of every error raised by pytreeio."""
+
+
+class PytreeioWarning(UserWarning):
+    """Something was dropped or only partly saved (the message says what)."""
 
 
 class FormatError(PytreeioError, ValueError):
@@ -123,11 +129,85 @@ def _rebuild_mismatch_error(
 
 
 class QuantisationError(PytreeioError, OverflowError):
-    """A value does not fit the integer type it is quantised to (or is NaN/inf)."""
+    """A value does not fit the integer type it is quantised to (or is NaN/inf).
+
+    Attributes:
+      tensor: the tensor's id or name.
+      index: the flat (C-order) index of the first element that does not fit.
+      position: that element's multi-dimensional index.
+      value: its value.
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        tensor: str | None = None,
+        index: int | None = None,
+        position: tuple[int, ...] | None = None,
+        value: float | None = None,
+    ) -> None:
+        self.reason = reason
+        self.tensor = tensor
+        self.index = index
+        self.position = position
+        self.value = value
+        super().__init__(reason)
+
+    def __reduce__(self) -> Any:
+        return (
+            _rebuild_quantisation_error,
+            (self.reason, self.tensor, self.index, self.position, self.value),
+        )
+
+
+def _rebuild_quantisation_error(
+    reason: str, tensor: Any, index: Any, position: Any, value: Any
+) -> QuantisationError:
+    return QuantisationError(reason, tensor=tensor, index=index, position=position, value=value)
 
 
 class UnknownFormatError(PytreeioError, ValueError):
-    """No registered format matches the name, suffix or content given."""
+    """No registered format matches the name, suffix or content given.
+
+    Attributes:
+      path: the file or directory whose format could not be told (None for a bare name).
+    """
+
+    def __init__(self, reason: str, *, path: str | None = None) -> None:
+        self.reason = reason
+        self.path = path
+        super().__init__(reason)
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}" if self.path is not None else self.reason
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_unknown_format_error, (self.reason, self.path))
+
+
+def _rebuild_unknown_format_error(reason: str, path: Any) -> UnknownFormatError:
+    return UnknownFormatError(reason, path=path)
+
+
+class ConversionError(PytreeioError, ValueError):
+    """A conversion whose target cannot hold the source's information.
+
+    Raised before anything is written; ``what`` lists what does not fit
+    (layer names, optimizer kinds, entries).
+    """
+
+    def __init__(self, reason: str, *, what: list[str] | None = None) -> None:
+        self.reason = reason
+        self.what = list(what or [])
+        super().__init__(reason)
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_conversion_error, (self.reason, self.what))
+
+
+def _rebuild_conversion_error(reason: str, what: Any) -> ConversionError:
+    return ConversionError(reason, what=what)
 
 
 class EncodeError(PytreeioError, TypeError):

@@ -1,17 +1,83 @@
-"""All file-system access of pytreeio: atomic writes and bounded reads.
+"""All file-system access of pytreeio: probes, consistent reads, crash-safe writes.
 
-Writes: a temporary file (or directory) is created next to the destination,
-written chunk by chunk straight from the arrays' buffers, fsync'd, renamed
-over the destination, and the parent directory fsync'd.  A failure at any
-point removes the temporary and leaves the previous checkpoint untouched.
-Directories are swapped in with ``renameat2(RENAME_EXCHANGE)`` where the
-kernel has it, so readers see either the old or the new directory.
+Interface (what :mod:`pytreeio.api` calls):
 
-Reads: a whole file is read with ``readinto`` into one preallocated,
-uninitialised buffer (arrays decoded from it are views, so the data is
-copied exactly once, from the page cache); ``mmap=True`` maps it instead.
-Header-only reads (``inspect``) go through :class:`FileSource`, which
-``pread``\\ s just the ranges a format asks for.
+* :func:`probe` ``(path, layout) -> Probe`` - what sniffers look at (head
+  bytes, size, ZIP member names, a directory's listing, the sibling files).
+  Never raises for missing or unreadable paths.
+* :func:`open_source` ``(path, layout, *, mmap=False, headers=False)`` - a
+  buffer (``FILE``) or a :class:`FileSet` (``DIRECTORY``, ``Siblings``) to
+  decode from; :class:`FileSource` objects instead of buffers with
+  ``headers=True``.  Missing checkpoints raise ``FileNotFoundError`` naming
+  every file looked for; a directory where a file is expected (or the
+  reverse) is a :class:`~pytreeio.errors.FormatError`.
+* :func:`write_atomic` ``(path, encoded, layout, *, durable=True)``.
+
+Writing (all layouts)
+---------------------
+Every save holds an exclusive ``flock`` on a hidden lock file per destination
+file, ``.<name>.pytreeio-lock`` next to it (created once, never deleted), from
+before it writes anything until it is done.  Several locks are taken in one
+global (sorted path) order, so savers never deadlock.  Under the lock the save
+
+1. finishes the journal of a save that died (see below), then removes every
+   temporary of that destination left by dead saves (``.<name>.pytreeio-tmp-
+   <pid>-<random>``: a full-size copy each) - no live save can own one, since
+   a live save would hold the lock;
+2. writes each file into a new temporary next to its destination, streaming
+   the encoded chunks, and fsyncs it (``durable=True``);
+3. replaces the destination:
+
+   * ``FILE``: ``rename`` over the destination, fsync the directory.
+   * ``Siblings`` (``<p>.npz`` + ``<p>.json``; all in one directory): a
+     **journal** ``.<first>.pytreeio-journal`` listing ``[temporary, final]``
+     for every file is written atomically (temporary + fsync + rename + fsync
+     of the directory); that is the commit point.  Then each temporary is
+     renamed over its final name, the directory fsync'd and the journal
+     deleted.  One file alone needs no journal.
+   * ``DIRECTORY``: the new tree is built in a temporary directory and swapped
+     in with ``renameat2(RENAME_EXCHANGE)``; the old tree, now under the
+     temporary name, is removed.  Without ``renameat2`` a journal is written
+     first, then ``dest -> old`` and ``tmp -> dest``; if the second rename
+     fails the first is undone, so the old checkpoint stays.
+
+A failure before the commit point removes the temporaries and leaves the old
+checkpoint untouched; replaced files keep their permission bits; a symlinked
+destination is written through to its target (``latest -> ckpt_100`` stays a
+symlink); temporary names are cut to fit ``NAME_MAX`` (a hash keeps them
+unique); ``durable=False`` skips every fsync but none of the above.
+
+Reading and recovery
+--------------------
+A SIGKILL between the renames of a sibling set leaves a journal behind whose
+temporaries are all complete (the journal is written after them).  Readers of
+a ``Siblings`` layout with ``linked`` roles take a *shared* lock on the same
+lock files while they open every file (an open descriptor keeps reading the
+file it opened, whatever is renamed over the name later), so they never
+interleave with a save.  Holding the shared lock proves that no saver is
+alive; a journal found then belongs to a dead save, so the reader **rolls it
+forward** (finishes the renames under the exclusive lock) and opens again.
+If it cannot (a read-only directory) it reads each journaled file from its
+temporary instead, which is the same complete new set.  The next save does
+the same roll-forward first.  So after a kill at any moment a load sees the
+complete old or the complete new set, and two concurrent savers serialise.
+Lock files are opened, not created, by readers; a reader that found none
+re-checks after opening and starts over if a saver appeared meanwhile.
+Directories are read through a descriptor of the directory opened under the
+shared lock (files are opened relative to it), so a directory swapped in
+meanwhile is never mixed with the one being read.  What io cannot detect is a
+set torn by other means (files copied by hand).
+
+Without ``flock`` (some network file systems) saves still go through
+temporaries, journals and renames but concurrent savers are not serialised.
+
+Reads
+-----
+A whole file is read with ``preadv`` into one preallocated, uninitialised
+buffer (arrays decoded from it are views, so the data is copied exactly once,
+from the page cache), by several threads for large files; ``mmap=True``
+maps it instead.  Header-only reads (``inspect``) go through
+:class:`FileSource`, which ``pread``\\ s just the ranges a format asks for.
 """
 
 from __future__ import annotations
@@ -20,21 +86,36 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import hashlib
+import json
 import mmap as _mmap
 import os
+import re
 import secrets
 import shutil
-from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+import stat
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
+from concurrent.futures import wait as _wait
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .binary import Buffer, ByteSource, as_memoryview
-from .registry import Encoded
+from .errors import FormatError
+from .registry import Directory, Encoded, File, Layout, Probe, Siblings
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = [
+    "probe",
+    "open_source",
     "write_atomic",
     "write_file_atomic",
     "write_dir_atomic",
@@ -43,16 +124,70 @@ __all__ = [
     "FileSet",
 ]
 
+T = TypeVar("T")
+
 # Linux caps a single write() at just under 2 GiB; stay well below it.
 _MAX_WRITE = 1 << 30
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+# -- names of pytreeio's own files next to a destination --------------------
 _TMP_MARK = ".pytreeio-tmp-"
+_LOCK_SUFFIX = ".pytreeio-lock"
+_JOURNAL_SUFFIX = ".pytreeio-journal"
+#: Any of them (tests, listings); a directory listing skips these names.
+_OWN_FILE = re.compile(r"\.pytreeio-(?:tmp-\d+-[0-9a-f]{8}|lock|journal)\Z")
+_NAME_MAX = 255
+# ".", the mark, a pid of up to 10 digits, "-" and 8 hex digits fit in 40 bytes.
+_NAME_BUDGET = _NAME_MAX - 40
+
+
+def _short(name: str) -> str:
+    """``name``, cut (with a hash of the whole) so that our names stay within NAME_MAX."""
+    raw = os.fsencode(name)
+    if len(raw) <= _NAME_BUDGET:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    return f"{os.fsdecode(raw[: _NAME_BUDGET - 17])}~{digest}"
+
+
+def _aux(dest: Path, suffix: str) -> Path:
+    return dest.parent / f".{_short(dest.name)}{suffix}"
 
 
 def _tmp_name(dest: Path) -> Path:
-    return dest.parent / f".{dest.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    return _aux(dest, f"{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def _write_chunks(fd: int, chunks: tuple[Buffer, ...] | list[Buffer]) -> None:
+def _tmp_pattern(name: str) -> re.Pattern[str]:
+    return re.compile(re.escape(f".{_short(name)}{_TMP_MARK}") + r"\d+-[0-9a-f]{8}\Z")
+
+
+def _lock_path(dest: Path) -> Path:
+    return _aux(dest, _LOCK_SUFFIX)
+
+
+def _journal_path(dest: Path) -> Path:
+    return _aux(dest, _JOURNAL_SUFFIX)
+
+
+def _resolve(path: Path) -> Path:
+    """The file a save to ``path`` writes: a symlink's target, else ``path`` in its real directory.
+
+    Canonical, so that every process names the same lock file the same way.
+    """
+    if os.path.islink(path):
+        return Path(os.path.realpath(path))
+    return Path(os.path.realpath(path.parent)) / path.name
+
+
+# --------------------------------------------------------------------------
+# small helpers
+# --------------------------------------------------------------------------
+
+
+def _write_chunks(fd: int, chunks: Sequence[Buffer]) -> None:
     for chunk in chunks:
         view = as_memoryview(chunk)
         n = len(view)
@@ -62,7 +197,7 @@ def _write_chunks(fd: int, chunks: tuple[Buffer, ...] | list[Buffer]) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
@@ -70,7 +205,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_new_file(path: Path, encoded: Encoded, durable: bool, mode: int | None = None) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
     try:
         if mode is not None:
             os.fchmod(fd, mode)
@@ -81,26 +216,375 @@ def _write_new_file(path: Path, encoded: Encoded, durable: bool, mode: int | Non
         os.close(fd)
 
 
-def write_file_atomic(
-    path: str | os.PathLike[str], encoded: Encoded, *, durable: bool = True
-) -> None:
-    """Write a single-file encoding to ``path`` atomically."""
-    dest = Path(path)
-    if dest.is_dir():
-        raise IsADirectoryError(errno.EISDIR, "cannot replace a directory with a file", str(dest))
-    try:  # a replaced checkpoint keeps its permission bits
-        mode: int | None = os.stat(dest).st_mode & 0o7777
-    except FileNotFoundError:
-        mode = None
+def _mode_of(path: Path) -> int | None:
+    """Permission bits of an existing file (a replaced checkpoint keeps them)."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        return None
+
+
+def _remove_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+
+
+def _rename(src: Path, dst: Path) -> None:
+    """One commit rename of a sibling set (a seam for the crash tests)."""
+    os.replace(src, dst)
+
+
+def _check_parent(dest: Path) -> None:
+    if not os.path.isdir(dest.parent):
+        raise FileNotFoundError(
+            errno.ENOENT, "No such directory to save into", os.fspath(dest.parent)
+        )
+
+
+# --------------------------------------------------------------------------
+# locks
+# --------------------------------------------------------------------------
+
+_RETRIES = 20
+
+
+def _open_lock(path: Path, create: bool) -> int | None:
+    """A descriptor of the lock file, or None (absent and not created, or not openable)."""
+    if fcntl is None:
+        return None
+    if create:
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o666)
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+    try:
+        return os.open(path, os.O_RDONLY | _O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def _flock(fd: int, op: int) -> bool:
+    try:
+        fcntl.flock(fd, op)
+        return True
+    except OSError as exc:  # no flock on this file system: go on unserialised
+        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+            return False
+        raise
+
+
+def _release(fds: Iterable[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)  # closing the last descriptor drops the flock
+
+
+def _lock_all(dests: Iterable[Path], *, exclusive: bool) -> tuple[list[int], list[Path]]:
+    """flock the lock files of ``dests`` in sorted order; (held fds, lock files that are absent).
+
+    Exclusive locks create their lock files; shared ones only open existing ones.
+    """
+    held: list[int] = []
+    absent: list[Path] = []
+    op = 0 if fcntl is None else fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    try:
+        for lock in sorted({_lock_path(d) for d in dests}, key=os.fspath):
+            fd = _open_lock(lock, create=exclusive)
+            if fd is None:
+                absent.append(lock)
+                continue
+            held.append(fd)
+            _flock(fd, op)
+    except BaseException:
+        _release(held)
+        raise
+    return held, absent
+
+
+# --------------------------------------------------------------------------
+# journals
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Journal:
+    """A committed multi-rename: ``(src, dst, aside)`` names in ``directory``, then removals."""
+
+    path: Path
+    renames: tuple[tuple[str, str, str | None], ...]
+    removes: tuple[str, ...]
+
+    @property
+    def directory(self) -> Path:
+        return self.path.parent
+
+    @property
+    def dests(self) -> set[Path]:
+        return {self.directory / dst for _src, dst, _aside in self.renames}
+
+    def substitutes(self) -> dict[Path, Path]:
+        """Where the new content of each destination is while the renames are unfinished."""
+        out = {}
+        for src, dst, _aside in self.renames:
+            if os.path.lexists(self.directory / src):
+                out[self.directory / dst] = self.directory / src
+        return out
+
+
+def _plain_name(name: Any) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+
+
+def _read_journal(path: Path) -> _Journal | None:
+    """The journal at ``path`` if it is one pytreeio wrote (strictly checked), else None.
+
+    Only renames of our own temporaries over the names they were made for, in
+    the journal's directory, are accepted: a planted journal can do nothing else.
+    """
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read(1 << 20))
+        if not isinstance(doc, dict) or doc.get("pytreeio") != "journal" or doc.get("version") != 1:
+            return None
+        renames = []
+        for entry in doc["renames"]:
+            src, dst, aside = entry
+            if not (_plain_name(src) and _plain_name(dst)):
+                return None
+            pattern = _tmp_pattern(dst)
+            if not pattern.match(src) or (aside is not None and not pattern.match(aside)):
+                return None
+            renames.append((src, dst, aside))
+        if not renames or path.name != f".{_short(renames[0][1])}{_JOURNAL_SUFFIX}":
+            return None
+        patterns = [_tmp_pattern(dst) for _s, dst, _a in renames]
+        removes = tuple(doc["remove"])
+        if not all(_plain_name(r) and any(p.match(r) for p in patterns) for r in removes):
+            return None
+        return _Journal(path, tuple(renames), removes)
+    except (OSError, ValueError, TypeError, KeyError, RecursionError):
+        return None
+
+
+def _write_journal(
+    dest: Path,
+    renames: Sequence[tuple[Path, Path, Path | None]],
+    removes: Sequence[Path],
+    durable: bool,
+) -> Path:
+    """Atomically create the journal of a save to ``dest``: the commit point."""
+    doc = {
+        "pytreeio": "journal",
+        "version": 1,
+        "renames": [[s.name, d.name, a.name if a is not None else None] for s, d, a in renames],
+        "remove": [r.name for r in removes],
+    }
+    path = _journal_path(dest)
     tmp = _tmp_name(dest)
     try:
-        _write_new_file(tmp, encoded, durable, mode)
-        os.replace(tmp, dest)
+        _write_new_file(tmp, Encoded((json.dumps(doc).encode(),)), durable)
+        os.replace(tmp, path)
     except BaseException:
         _remove_quietly(tmp)
         raise
     if durable:
         _fsync_dir(dest.parent)
+    return path
+
+
+def _apply_journal(journal: _Journal, durable: bool = True) -> None:
+    """Finish a journal's renames (idempotent; caller holds the exclusive locks)."""
+    d = journal.directory
+    for src, dst, aside in journal.renames:
+        if not os.path.lexists(d / src):
+            continue  # already renamed
+        if aside is not None and os.path.lexists(d / dst):
+            os.rename(d / dst, d / aside)
+        os.replace(d / src, d / dst)
+    if durable:
+        _fsync_dir(d)
+    for name in journal.removes:
+        _remove_quietly(d / name)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(journal.path)
+
+
+def _roll_forward(journal_path: Path) -> bool:
+    """Finish the journal a dead saver left (exclusive locks on its files); False if we cannot."""
+    journal = _read_journal(journal_path)
+    if journal is None:
+        return False
+    try:
+        held, _ = _lock_all(journal.dests, exclusive=True)
+    except OSError:
+        return False
+    try:
+        journal = _read_journal(journal_path)  # it may be gone, finished by someone else
+        if journal is not None:
+            _apply_journal(journal)
+        return True
+    except OSError:
+        return False
+    finally:
+        _release(held)
+
+
+def _clean_stale(dests: Sequence[Path]) -> None:
+    """Remove temporaries of ``dests`` (caller holds their locks: none can be live)."""
+    by_dir: dict[Path, list[re.Pattern[str]]] = {}
+    for dest in dests:
+        by_dir.setdefault(dest.parent, []).append(_tmp_pattern(dest.name))
+    for directory, patterns in by_dir.items():
+        try:
+            with os.scandir(directory) as it:
+                names = [e.name for e in it if e.name.startswith(".")]
+        except OSError:
+            continue
+        for name in names:
+            if any(p.match(name) for p in patterns):
+                _remove_quietly(directory / name)
+
+
+@contextlib.contextmanager
+def _saving(dests: Sequence[Path], durable: bool) -> Iterator[None]:
+    """Hold the exclusive locks of ``dests``, after recovering from dead saves to them."""
+    extra: set[Path] = set()
+    for _ in range(_RETRIES):
+        held, _absent = _lock_all(set(dests) | extra, exclusive=True)
+        try:
+            journals: list[tuple[Path, _Journal | None]] = []
+            for dest in dests:
+                jp = _journal_path(dest)
+                if os.path.lexists(jp):
+                    journals.append((jp, _read_journal(jp)))
+            need = set().union(*(j.dests for _p, j in journals if j is not None))
+            if not need <= set(dests) | extra:
+                extra |= need
+                continue  # lock those files too, then look again
+            for jp, journal in journals:
+                if journal is None:
+                    _remove_quietly(jp)  # not a journal of ours
+                else:
+                    _apply_journal(journal, durable)
+            _clean_stale(dests)
+            yield
+            return
+        finally:
+            _release(held)
+    raise OSError(errno.EAGAIN, "journals kept changing while locking", os.fspath(dests[0]))
+
+
+def _read_locked(
+    dests: Sequence[Path],
+    opener: Callable[[Mapping[Path, Path]], T],
+    discard: Callable[[T], None],
+) -> T:
+    """``opener(substitutes)`` under shared locks on ``dests``, after recovering dead saves.
+
+    ``substitutes`` maps a destination to the temporary holding its new
+    content when a dead save's journal could not be rolled forward.
+    """
+    rolled = False
+    for _ in range(_RETRIES):
+        held, absent = _lock_all(dests, exclusive=False)
+        try:
+            pending = [
+                j
+                for j in (_read_journal(_journal_path(d)) for d in dests if _journal_lexists(d))
+                if j is not None
+            ]
+            if not pending or rolled:
+                subst: dict[Path, Path] = {}
+                for journal in pending:
+                    subst.update(journal.substitutes())
+                result = opener(subst)
+                if any(os.path.lexists(lock) for lock in absent):
+                    discard(result)  # a saver started meanwhile: open again, locked
+                    continue
+                return result
+        finally:
+            _release(held)
+        rolled = True
+        for journal in pending:
+            _roll_forward(journal.path)
+    raise OSError(errno.EAGAIN, "the checkpoint kept changing while it was opened", str(dests[0]))
+
+
+def _journal_lexists(dest: Path) -> bool:
+    return os.path.lexists(_journal_path(dest))
+
+
+# --------------------------------------------------------------------------
+# writing
+# --------------------------------------------------------------------------
+
+
+def _write_files(items: Sequence[tuple[Path, Encoded]], durable: bool) -> None:
+    """Write one file or a sibling set (one directory) as one atomic step."""
+    dests = [_resolve(Path(p)) for p, _ in items]
+    if len(set(dests)) != len(dests):
+        raise ValueError(f"two roles name the same file: {[os.fspath(d) for d in dests]}")
+    if len({d.parent for d in dests}) > 1:
+        raise ValueError(
+            "sibling files must lie in one directory: " + ", ".join(os.fspath(d) for d in dests)
+        )
+    for dest in dests:
+        if os.path.isdir(dest):
+            raise IsADirectoryError(
+                errno.EISDIR, "cannot replace a directory with a file", os.fspath(dest)
+            )
+    _check_parent(dests[0])
+    parent = dests[0].parent
+    with _saving(dests, durable):
+        temps: list[Path] = []
+        committed = False
+        try:
+            for dest, (_p, encoded) in zip(dests, items):
+                if encoded.files is not None:
+                    raise TypeError(f"{dest.name}: a file's encoding has files, not chunks")
+                tmp = _tmp_name(dest)
+                temps.append(tmp)
+                _write_new_file(tmp, encoded, durable, _mode_of(dest))
+            if len(dests) == 1:
+                _rename(temps[0], dests[0])
+            else:
+                journal = _write_journal(
+                    dests[0], [(t, d, None) for t, d in zip(temps, dests)], [], durable
+                )
+                committed = True
+                for tmp, dest in zip(temps, dests):
+                    _rename(tmp, dest)
+                if durable:
+                    _fsync_dir(parent)
+                os.unlink(journal)
+                return
+        except BaseException:
+            if committed:
+                # Past the commit point the new set wins: finish it if we can
+                # (otherwise the next load or save does).
+                with contextlib.suppress(Exception):
+                    j = _read_journal(_journal_path(dests[0]))
+                    if j is not None:
+                        _apply_journal(j, durable)
+            else:
+                for tmp in temps:
+                    _remove_quietly(tmp)
+                if len(dests) > 1:  # written, but its directory fsync failed: void now
+                    _remove_quietly(_journal_path(dests[0]))
+            raise
+    if durable:
+        _fsync_dir(parent)
+
+
+def write_file_atomic(
+    path: str | os.PathLike[str], encoded: Encoded, *, durable: bool = True
+) -> None:
+    """Write a single-file encoding to ``path`` atomically."""
+    _write_files([(Path(path), encoded)], durable)
 
 
 def _populate_dir(root: Path, encoded: Encoded, durable: bool) -> None:
@@ -151,83 +635,120 @@ def _exchange(a: Path, b: Path) -> bool:
     if rc == 0:
         return True
     err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
-    raise OSError(err, os.strerror(err), str(b))
+    raise OSError(err, os.strerror(err), os.fspath(b))
 
 
 def write_dir_atomic(
     path: str | os.PathLike[str], encoded: Encoded, *, durable: bool = True
 ) -> None:
     """Write a directory encoding, replacing any existing directory as a whole."""
-    dest = Path(path)
-    if dest.exists() and not dest.is_dir():
-        raise NotADirectoryError(errno.ENOTDIR, "cannot replace a file with a directory", str(dest))
-    tmp = _tmp_name(dest)
-    try:
-        tmp.mkdir()
-        _populate_dir(tmp, encoded, durable)
-        if dest.exists():
-            if _exchange(tmp, dest):
-                # tmp now holds the previous checkpoint
-                if durable:
-                    _fsync_dir(dest.parent)
-                shutil.rmtree(tmp, ignore_errors=True)
+    if encoded.files is None:
+        raise TypeError("a directory format returned a single-file encoding")
+    dest = _resolve(Path(path))
+    if os.path.lexists(dest) and not os.path.isdir(dest):
+        raise NotADirectoryError(
+            errno.ENOTDIR, "cannot replace a file with a directory", os.fspath(dest)
+        )
+    _check_parent(dest)
+    with _saving([dest], durable):
+        tmp = _tmp_name(dest)
+        try:
+            tmp.mkdir()
+            _populate_dir(tmp, encoded, durable)
+            if not os.path.lexists(dest):
+                os.rename(tmp, dest)
+            else:
+                mode = _mode_of(dest)
+                if mode is not None:
+                    os.chmod(tmp, mode)
+                if _exchange(tmp, dest):
+                    if durable:
+                        _fsync_dir(dest.parent)
+                    _remove_quietly(tmp)  # now the previous checkpoint
+                    return
+                _swap_without_exchange(tmp, dest, durable)
                 return
-            # No atomic exchange: move the old directory aside first.  A crash
-            # between the two renames leaves the old checkpoint at `old`.
-            old = _tmp_name(dest)
-            os.rename(dest, old)
-            os.rename(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dest)
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
+        except _HalfSwapped:
+            raise  # the journal needs tmp: the next load or save installs it
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
     if durable:
         _fsync_dir(dest.parent)
 
 
+class _HalfSwapped(OSError):
+    """A directory swap failed half-way and could not be undone; its journal finishes it."""
+
+
+def _swap_without_exchange(tmp: Path, dest: Path, durable: bool) -> None:
+    """``dest -> old``, ``tmp -> dest`` under a journal; undo the first if the second fails."""
+    old = _tmp_name(dest)
+    journal = _write_journal(dest, [(tmp, dest, old)], [old], durable)
+    try:
+        os.rename(dest, old)
+    except BaseException:
+        os.unlink(journal)
+        raise
+    try:
+        os.rename(tmp, dest)
+    except BaseException:
+        try:
+            os.rename(old, dest)  # roll back: the old checkpoint is in place again
+        except OSError as undo:
+            raise _HalfSwapped(
+                errno.EIO,
+                "directory swap failed half-way and could not be undone; the next load or "
+                "save of this path completes it",
+                os.fspath(dest),
+            ) from undo
+        os.unlink(journal)
+        raise
+    if durable:
+        _fsync_dir(dest.parent)
+    os.unlink(journal)
+    _remove_quietly(old)
+
+
 def write_atomic(
-    path: str | os.PathLike[str],
-    encoded: Encoded,
-    *,
-    layout: str,
-    locate: Any = None,
-    durable: bool = True,
+    path: str | os.PathLike[str], encoded: Encoded, layout: Layout, *, durable: bool = True
 ) -> None:
-    """Write ``encoded`` in the given layout (see :mod:`pytreeio.registry`)."""
-    if layout == "file":
+    """Write ``encoded`` at ``path`` in ``layout`` (see the module docstring for the guarantees).
+
+    Args:
+      path: the destination as the caller gave it (a file, a directory, or
+        the path ``layout.locate`` maps to sibling files).
+      encoded: a format's output; ``chunks`` for ``FILE``, ``files`` otherwise
+        (relative POSIX paths for ``DIRECTORY``, roles for ``Siblings``).
+      layout: :data:`~pytreeio.registry.FILE`, a
+        :class:`~pytreeio.registry.Siblings` value or
+        :data:`~pytreeio.registry.DIRECTORY`.
+      durable: fsync files and directories; ``False`` keeps everything else.
+    """
+    if isinstance(layout, File):
         if encoded.files is not None:
             raise TypeError("a single-file format returned a multi-file encoding")
-        write_file_atomic(path, encoded, durable=durable)
-    elif layout == "dir":
+        _write_files([(Path(path), encoded)], durable)
+    elif isinstance(layout, Directory):
         write_dir_atomic(path, encoded, durable=durable)
-    elif layout == "files":
-        if encoded.files is None or locate is None:
-            raise TypeError("a multi-file format needs files and locate()")
-        roles = locate(Path(path))
-        unknown = set(encoded.files) - set(roles)
+    elif isinstance(layout, Siblings):
+        if encoded.files is None:
+            raise TypeError("a sibling-files format returned a single-file encoding")
+        located = {role: Path(p) for role, p in layout.locate(Path(path)).items()}
+        unknown = sorted(set(encoded.files) - set(located))
         if unknown:
-            raise ValueError(f"encoding has files for unknown roles {sorted(unknown)}")
-        # Each file is atomic on its own; the order is the format's (data before sidecars).
-        for role, sub in encoded.files.items():
-            write_file_atomic(roles[role], sub, durable=durable)
+            raise ValueError(f"the encoding has files for roles {unknown} that locate() lacks")
+        missing = sorted(set(layout.linked) - set(encoded.files))
+        if missing:
+            raise ValueError(f"linked role(s) {missing} missing from the encoding")
+        order = [r for r in layout.roles if r in encoded.files]
+        order += [r for r in encoded.files if r not in order]
+        if order:
+            _write_files([(located[r], encoded.files[r]) for r in order], durable)
     else:
-        raise ValueError(f"unknown layout {layout!r}")
-
-
-def _remove_quietly(path: Path) -> None:
-    try:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError:
-        pass
+        raise TypeError(f"unknown layout {layout!r}")
 
 
 # --------------------------------------------------------------------------
@@ -242,6 +763,7 @@ _PARALLEL_MIN = 64 << 20
 _PARALLEL_BLOCK = 16 << 20
 _PARALLEL_THREADS = 4
 _pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 def _read_range(
@@ -256,42 +778,65 @@ def _read_range(
         pos += n
 
 
-def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> memoryview:
-    """The whole file as a memoryview: read once into fresh memory, or mapped read-only."""
+def _get_pool() -> ThreadPoolExecutor:
     global _pool
-    p = os.fspath(path)
-    fd = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        size = os.fstat(fd).st_size
-        if mmap:
-            if size == 0:
-                return memoryview(b"")
-            return memoryview(_mmap.mmap(fd, 0, access=_mmap.ACCESS_READ))
-        # np.empty leaves the pages untouched until the reads fill them
-        # (bytearray(size) would zero-fill them first).
-        view = np.empty(size, dtype=np.uint8).data
-        if size < _PARALLEL_MIN:
-            _read_range(fd, view, 0, size, p)
-            return view
+    with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(_PARALLEL_THREADS, thread_name_prefix="pytreeio-read")
-        jobs = [
-            _pool.submit(_read_range, fd, view, start, min(start + _PARALLEL_BLOCK, size), p)
-            for start in range(0, size, _PARALLEL_BLOCK)
-        ]
-        for job in jobs:
-            job.result()
+        return _pool
+
+
+def _read_fd(fd: int, name: str, mmap: bool) -> memoryview:
+    """The whole file behind ``fd``: read once into fresh memory, or mapped read-only."""
+    size = os.fstat(fd).st_size
+    if mmap:
+        if size == 0:
+            return memoryview(b"")
+        return memoryview(_mmap.mmap(fd, 0, access=_mmap.ACCESS_READ))
+    # np.empty leaves the pages untouched until the reads fill them
+    # (bytearray(size) would zero-fill them first).
+    view = np.empty(size, dtype=np.uint8).data
+    if size < _PARALLEL_MIN:
+        _read_range(fd, view, 0, size, name)
         return view
+    pool = _get_pool()
+    jobs: list[Future[None]] = [
+        pool.submit(_read_range, fd, view, start, min(start + _PARALLEL_BLOCK, size), name)
+        for start in range(0, size, _PARALLEL_BLOCK)
+    ]
+    try:
+        _wait(jobs, return_when=FIRST_EXCEPTION)
+    finally:
+        # Whatever happened, no job may still use the descriptor (or the
+        # buffer) once we return: drop those not started, wait for the rest.
+        for job in jobs:
+            job.cancel()
+        _wait(jobs)
+    for job in jobs:
+        job.result()
+    return view
+
+
+def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> memoryview:
+    """The whole file as a memoryview: read once into fresh memory, or mapped read-only."""
+    p = os.fspath(path)
+    fd = os.open(p, os.O_RDONLY | _O_CLOEXEC)
+    try:
+        return _read_fd(fd, p, mmap)
     finally:
         os.close(fd)
 
 
 class FileSource(ByteSource):
-    """A :class:`ByteSource` that ``pread``\\ s ranges of a file on demand."""
+    """A :class:`ByteSource` that ``pread``\\ s ranges of a file on demand.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    ``fd``: an open descriptor of ``path`` to use (and close) instead of opening it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, fd: int | None = None) -> None:
         self.name = os.fspath(path)
-        self._fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._fd = -1
+        self._fd = fd if fd is not None else os.open(self.name, os.O_RDONLY | _O_CLOEXEC)
         self.size = os.fstat(self._fd).st_size
         self.bytes_read = 0
 
@@ -322,41 +867,91 @@ class FileSource(ByteSource):
             self.close()
 
 
+# Up to this many files of a directory are opened while the shared lock is
+# held; the others are opened on access, relative to the directory's
+# descriptor (so never from a directory swapped in later).
+_EAGER_OPEN = 128
+
+
 class FileSet(Mapping[str, Any]):
     """Named files of a checkpoint, read on access.
 
     Keys are a directory's relative POSIX paths (:meth:`directory`) or a
-    multi-file format's roles (:meth:`existing`).  ``headers=True`` yields
-    :class:`FileSource` objects instead of whole buffers (for ``inspect``).
+    sibling layout's roles.  ``headers=True`` yields :class:`FileSource`
+    objects instead of whole buffers (for ``inspect``).  Files may be held
+    open (:func:`open_source` opens them while it holds the lock, so that a
+    later save cannot mix into what is read); :meth:`close` releases them.
     """
 
     def __init__(
-        self, paths: Mapping[str, Path], *, mmap: bool = False, headers: bool = False
+        self,
+        paths: Mapping[str, Path],
+        *,
+        mmap: bool = False,
+        headers: bool = False,
+        fds: Mapping[str, int] | None = None,
+        dir_fd: int | None = None,
     ) -> None:
-        self.paths = dict(paths)
+        self.paths = {k: Path(v) for k, v in paths.items()}
         self._mmap = mmap
         self._headers = headers
+        self._fds: dict[str, int] = dict(fds or {})
+        self._dir_fd = dir_fd
 
     @classmethod
     def directory(
         cls, root: str | os.PathLike[str], *, mmap: bool = False, headers: bool = False
     ) -> FileSet:
-        """The files below ``root``; symlinks pointing outside it are not followed."""
+        """The files below ``root``; symlinks pointing outside it are not followed.
+
+        Raises ``FileNotFoundError`` / ``NotADirectoryError`` for a missing root or a file.
+        """
         base = Path(root)
-        names = sorted(_walk(base))
-        return cls({n: base.joinpath(*n.split("/")) for n in names}, mmap=mmap, headers=headers)
+        dir_fd = os.open(base, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+        fds: dict[str, int] = {}
+        try:
+            if not stat.S_ISDIR(os.fstat(dir_fd).st_mode):  # no O_DIRECTORY on this platform
+                raise NotADirectoryError(errno.ENOTDIR, "Not a directory", os.fspath(base))
+            names = sorted(_walk(base, dir_fd=dir_fd))
+            for name in names[:_EAGER_OPEN]:
+                fd = _open_regular(name, dir_fd)
+                if fd is not None:
+                    fds[name] = fd
+        except BaseException:
+            _release([*fds.values(), dir_fd])
+            raise
+        paths = {n: base.joinpath(*n.split("/")) for n in names}
+        return cls(paths, mmap=mmap, headers=headers, fds=fds, dir_fd=dir_fd)
 
     @classmethod
     def existing(
         cls, roles: Mapping[str, Path], *, mmap: bool = False, headers: bool = False
     ) -> FileSet:
-        """Those of a multi-file format's role paths that exist."""
-        paths = {r: Path(p) for r, p in roles.items() if Path(p).is_file()}
-        return cls(paths, mmap=mmap, headers=headers)
+        """Those of a multi-file format's role paths that exist (opened now)."""
+        return _open_roles({r: Path(p) for r, p in roles.items()}, {}, mmap, headers)
 
     def __getitem__(self, name: str) -> Any:
         path = self.paths[name]
+        fd = self._fds.get(name)
+        if fd is not None:
+            if self._headers:
+                return FileSource(path, fd=os.dup(fd))
+            return _read_fd(fd, os.fspath(path), self._mmap)
+        if self._dir_fd is not None:
+            try:
+                fd = os.open(name, os.O_RDONLY | _O_CLOEXEC, dir_fd=self._dir_fd)
+            except OSError as exc:
+                raise type(exc)(exc.errno, exc.strerror, os.fspath(path)) from None
+            if self._headers:
+                return FileSource(path, fd=fd)
+            try:
+                return _read_fd(fd, os.fspath(path), self._mmap)
+            finally:
+                os.close(fd)
         return FileSource(path) if self._headers else read_file(path, mmap=self._mmap)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the file
+        return name in self.paths
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.paths)
@@ -365,20 +960,288 @@ class FileSet(Mapping[str, Any]):
         return len(self.paths)
 
     def path_of(self, name: str) -> str:
-        return str(self.paths[name])
+        return os.fspath(self.paths[name])
+
+    def close(self) -> None:
+        """Close the files held open (buffers and maps already returned stay valid)."""
+        fds = list(self._fds.values())
+        if self._dir_fd is not None:
+            fds.append(self._dir_fd)
+        self._fds = {}
+        self._dir_fd = None
+        _release(fds)
+
+    def __enter__(self) -> FileSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
 
-def _walk(root: Path) -> Iterator[str]:
-    base = root.resolve()
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for fn in filenames:
-            full = Path(dirpath) / fn
-            if _TMP_MARK in fn:
-                continue
-            try:
-                real = full.resolve()
-            except OSError:
-                continue
-            if base not in real.parents:
-                continue
-            yield full.relative_to(root).as_posix()
+def _open_regular(path: str | os.PathLike[str], dir_fd: int | None = None) -> int | None:
+    """A descriptor of a regular file (never blocks on FIFOs); None if absent or not a file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NONBLOCK, dir_fd=dir_fd)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _walk(root: Path, *, dir_fd: int | None = None, limit: int | None = None) -> Iterator[str]:
+    """Relative POSIX paths of the regular files below ``root``, skipping pytreeio's own files.
+
+    ``root`` may itself be a symlink to a directory; below it, symlinked
+    directories are not descended into and symlinked files count only when
+    they resolve to a file inside ``root``.  ``dir_fd``: ``root`` already open.
+    """
+    if dir_fd is None:
+        fd = os.open(root, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+        try:
+            yield from _walk(root, dir_fd=fd, limit=limit)
+        finally:
+            os.close(fd)
+        return
+    base = os.path.realpath(root)
+    count = 0
+    walker: Any = os.fwalk(".", dir_fd=dir_fd)
+    with contextlib.closing(walker):
+        for dirpath, dirnames, filenames, dfd in walker:
+            dirnames[:] = sorted(d for d in dirnames if not _OWN_FILE.search(d))
+            rel_dir = os.path.relpath(dirpath, ".")
+            for fn in sorted(filenames):
+                if _OWN_FILE.search(fn):
+                    continue
+                rel = fn if rel_dir == "." else f"{rel_dir}/{fn}"
+                try:
+                    st = os.stat(fn, dir_fd=dfd, follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISLNK(st.st_mode):
+                    real = os.path.realpath(os.path.join(base, rel))
+                    if not real.startswith(base + os.sep) or not os.path.isfile(real):
+                        continue
+                elif not stat.S_ISREG(st.st_mode):
+                    continue
+                yield rel.replace(os.sep, "/")
+                count += 1
+                if limit is not None and count >= limit:
+                    return
+
+
+# --------------------------------------------------------------------------
+# probes
+# --------------------------------------------------------------------------
+
+_HEAD = 4096
+_MAX_MEMBERS = 65_536
+_MAX_NAMES = 10_000
+_MAX_HEADS = 32
+
+
+def _zip_members(source: FileSource) -> tuple[str, ...] | None:
+    """A ZIP's member names (at most ``_MAX_MEMBERS``), or None when they cannot be read.
+
+    :func:`pytreeio.zip.member_names` reads the end records and the central
+    directory only (bounded); a hostile archive costs at most that.
+    """
+    from .zip import member_names
+
+    try:
+        names = member_names(source)
+        return tuple(str(n) for n in names[:_MAX_MEMBERS])
+    except Exception:
+        return None
+
+
+def _probe_file(path: Path) -> Probe:
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return Probe(path, kind="missing")
+    if stat.S_ISDIR(st.st_mode):
+        return Probe(path, kind="dir")
+    if not stat.S_ISREG(st.st_mode):
+        return Probe(path, kind="file", size=0)
+    try:
+        fd = _open_regular(path)
+    except OSError:
+        fd = None
+    if fd is None:  # unreadable (or replaced meanwhile): what stat said, no bytes
+        return Probe(path, kind="file", size=st.st_size)
+    with FileSource(path, fd=fd) as src:
+        head = bytes(src.read(0, min(_HEAD, src.size), "head")) if src.size else b""
+        members = _zip_members(src) if head[:4] == b"PK\x03\x04" else None
+        return Probe(path, kind="file", head=head, size=src.size, members=members)
+
+
+def _probe_dir(path: Path) -> Probe:
+    if not os.path.isdir(path):
+        return _probe_file(path)
+    try:
+        names = list(_walk(path, limit=_MAX_NAMES))
+    except OSError:  # unreadable: a directory all the same (opening it says why)
+        return Probe(path, kind="dir", names=frozenset())
+    heads: dict[str, bytes] = {}
+    for name in names:
+        if len(heads) >= _MAX_HEADS:
+            break
+        if "/" in name or not name.lower().endswith((".json", ".txt")):
+            continue
+        try:
+            fd = _open_regular(path / name)
+        except OSError:
+            continue
+        if fd is None:
+            continue
+        try:
+            heads[name] = os.pread(fd, _HEAD, 0)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return Probe(path, kind="dir", names=frozenset(names), heads=heads)
+
+
+def probe(path: str | os.PathLike[str], layout: Layout) -> Probe:
+    """What sniffing sees of ``path`` for ``layout`` (never raises for missing/unreadable paths).
+
+    ``FILE``: kind, the first 4 KiB, the size, and the ZIP member names when
+    the file starts with a ZIP local header.  ``DIRECTORY``: the relative
+    POSIX names of the files below (at most 10,000; pytreeio's temporaries
+    and symlinks leaving the directory skipped) and the first 4 KiB of up to
+    32 top-level ``*.json``/``*.txt`` files.  ``Siblings``: the FILE probe of
+    ``path`` itself plus a FILE probe of each located role that is a file.
+    """
+    p = Path(path)
+    if isinstance(layout, Directory):
+        return _probe_dir(p)
+    base = _probe_file(p)
+    if not isinstance(layout, Siblings):
+        return base
+    try:
+        located = {role: Path(rp) for role, rp in layout.locate(p).items()}
+    except (OSError, ValueError):
+        located = {}
+    siblings: dict[str, Probe] = {}
+    for role, rp in located.items():
+        sib = base if rp == p else _probe_file(rp)
+        if sib.kind == "file":
+            siblings[role] = sib
+    return replace(base, siblings=siblings)
+
+
+# --------------------------------------------------------------------------
+# opening sources
+# --------------------------------------------------------------------------
+
+
+def _not_found(path: Path, looked_for: Iterable[Path] = ()) -> FileNotFoundError:
+    names = [os.fspath(p) for p in looked_for]
+    if not names or names == [os.fspath(path)]:
+        return FileNotFoundError(errno.ENOENT, "No such file or directory", os.fspath(path))
+    listed = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+    return FileNotFoundError(
+        errno.ENOENT, f"No such file or directory (looked for {listed})", os.fspath(path)
+    )
+
+
+def _open_roles(
+    located: Mapping[str, Path], subst: Mapping[Path, Path], mmap: bool, headers: bool
+) -> FileSet:
+    fds: dict[str, int] = {}
+    paths: dict[str, Path] = {}
+    try:
+        for role, p in located.items():
+            actual = subst.get(_resolve(p), p) if subst else p
+            fd = _open_regular(actual)
+            if fd is not None:
+                fds[role] = fd
+                paths[role] = p
+    except BaseException:
+        _release(fds.values())
+        raise
+    return FileSet(paths, mmap=mmap, headers=headers, fds=fds)
+
+
+def _open_file(p: Path, mmap: bool, headers: bool) -> Any:
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise _not_found(p) from None
+    if stat.S_ISDIR(st.st_mode):
+        raise FormatError("is a directory, not a file", path=os.fspath(p))
+    if not stat.S_ISREG(st.st_mode):
+        raise FormatError("not a regular file", path=os.fspath(p))
+    return FileSource(p) if headers else read_file(p, mmap=mmap)
+
+
+def _open_dir(p: Path, mmap: bool, headers: bool) -> FileSet:
+    dest = _resolve(p)
+
+    def opener(subst: Mapping[Path, Path]) -> FileSet:
+        root = subst.get(dest, p)
+        try:
+            return FileSet.directory(root, mmap=mmap, headers=headers)
+        except FileNotFoundError:
+            raise _not_found(p) from None
+        except NotADirectoryError:
+            raise FormatError("is a file, not a directory", path=os.fspath(p)) from None
+
+    return _read_locked([dest], opener, FileSet.close)
+
+
+def _open_siblings(p: Path, layout: Siblings, mmap: bool, headers: bool) -> FileSet:
+    located = {role: Path(rp) for role, rp in layout.locate(p).items()}
+
+    def opener(subst: Mapping[Path, Path]) -> FileSet:
+        return _open_roles(located, subst, mmap, headers)
+
+    if layout.linked:
+        found = _read_locked([_resolve(rp) for rp in located.values()], opener, FileSet.close)
+    else:
+        found = opener({})
+    if not len(found):
+        raise _not_found(p, located.values())
+    linked = [r for r in layout.linked if r in located]
+    if any(r not in found for r in linked):  # half a set: never decode it
+        found.close()
+        present = [os.fspath(located[r]) for r in linked if r in found]
+        err = _not_found(p, [located[r] for r in linked])
+        err.strerror = f"{(err.strerror or '')[:-1]}; only {' and '.join(present)} exists)"
+        raise err
+    return found
+
+
+def open_source(
+    path: str | os.PathLike[str], layout: Layout, *, mmap: bool = False, headers: bool = False
+) -> Any:
+    """What a format's ``decode`` (or ``inspect``, ``headers=True``) reads from.
+
+    ``FILE``: the file's bytes (a :class:`FileSource` with ``headers``).
+    ``DIRECTORY``: a :class:`FileSet` of the files below ``path``.
+    ``Siblings``: a :class:`FileSet` of the located roles that exist, opened
+    together (linked roles under the shared lock, after rolling forward a
+    save that died; see the module docstring), so they are one save's files.
+
+    Raises:
+      FileNotFoundError: nothing there (naming every file looked for).
+      FormatError: a directory where a file is expected, or the reverse.
+    """
+    p = Path(path)
+    if isinstance(layout, File):
+        return _open_file(p, mmap, headers)
+    if isinstance(layout, Directory):
+        return _open_dir(p, mmap, headers)
+    if isinstance(layout, Siblings):
+        return _open_siblings(p, layout, mmap, headers)
+    raise TypeError(f"unknown layout {layout!r}")

@@ -1,29 +1,44 @@
-"""Formats as values: the :class:`Format` record and the registry of formats.
+"""Formats as values: the :class:`Format` record, layouts, probes and the registry.
 
 A format is a small immutable record of pure functions (like optax's
 ``GradientTransformation``).  Format modules build one and call
 :func:`register`; the built-in modules are imported lazily the first time the
-registry is consulted, so ``import pytreeio`` stays cheap.
+registry is consulted, so ``import pytreeio`` stays cheap.  This module imports
+no format module itself: :data:`BUILTIN_MODULES` names them and
+:func:`formats` imports them by name on first use.
 
-Layouts:
+Layouts are values (:data:`FILE`, :class:`Siblings`, :data:`DIRECTORY`):
 
-* ``"file"``  - one file; ``decode``/``inspect`` receive a buffer.
-* ``"dir"``   - a directory; they receive a ``Mapping[str, buffer]`` of the
+* ``FILE``      - one file; ``decode``/``inspect`` receive a buffer.
+* ``Siblings``  - files next to each other (``<p>.npz`` + ``<p>.json``);
+  ``layout.locate(path)`` maps roles to paths, and ``decode``/``inspect``
+  receive a ``Mapping[role, buffer]`` of those that exist.
+* ``DIRECTORY`` - a directory; they receive a ``Mapping[str, buffer]`` of the
   files below it (relative POSIX paths), read lazily on access.
-* ``"files"`` - sibling files (``<p>.npz`` + ``<p>.json``); ``locate(path)``
-  maps roles to paths and they receive a ``Mapping[role, buffer]`` of those
-  that exist.
 
-``encode`` returns an :class:`Encoded`: a list of chunks for ``"file"``, or
-``files`` (relative path or role -> :class:`Encoded`) for the other layouts.
+``encode`` returns an :class:`Encoded`: a list of chunks for ``FILE``, or
+``files`` (role or relative path -> :class:`Encoded`) for the other layouts.
+
+Sniffing: :mod:`pytreeio.io` builds a :class:`Probe` of a path for a layout
+(head bytes, size, ZIP member names, a directory's listing, the probes of the
+sibling files); a format's ``sniff(probe)`` returns a score, 0 meaning "not
+this format".  The highest score wins (:data:`MAGIC` for a magic number,
+:data:`STRUCTURE` for a recognised structure, :data:`WEAK` for a guess).
+
+Options are declared by the functions that take them: the keyword-only
+parameters of ``encode``/``from_model`` are save options, those of
+``decode``/``restore``/``to_model`` load options.  :meth:`Format.split_options`
+routes each option to the functions that declare it, and an option no function
+declares raises ``TypeError``.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect as _inspect
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -38,22 +53,123 @@ __all__ = [
     "Entry",
     "Info",
     "Probe",
+    "Layout",
+    "File",
+    "Siblings",
+    "Directory",
+    "FILE",
+    "DIRECTORY",
+    "MAGIC",
+    "STRUCTURE",
+    "WEAK",
     "register",
     "get",
     "formats",
     "for_suffix",
-    "sniff",
+    "best_match",
 ]
-
-Layout = Literal["file", "dir", "files"]
 
 #: Modules under ``pytreeio.fmt`` that register the built-in formats.
 BUILTIN_MODULES: tuple[str, ...] = (
     "safetensors",
     "tinyllama",
     "netcl",
+    "netcl_checkpoint",
+    "datacode",
+    "waffe2",
+    "bullet",
     "msgpack",
 )
+
+#: Sniff scores: a magic number matched, a structure recognised, a weak guess.
+MAGIC = 100.0
+STRUCTURE = 50.0
+WEAK = 1.0
+
+
+# --------------------------------------------------------------------------
+# layouts
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class File:
+    """A checkpoint that is one file."""
+
+    kind: Literal["file"] = "file"
+
+
+@dataclass(frozen=True)
+class Directory:
+    """A checkpoint that is a directory of files (written and swapped in as a whole)."""
+
+    kind: Literal["dir"] = "dir"
+
+
+@dataclass(frozen=True)
+class Siblings:
+    """A checkpoint made of files next to each other, e.g. ``<p>.npz`` + ``<p>.json``.
+
+    Attributes:
+      locate: ``locate(path) -> {role: path}`` of the files that make up the
+        checkpoint at ``path`` (existing or to be written).  Pure: it only
+        computes names (netcl's lookup order is decided from the probe).
+      roles: every role ``locate`` can return, in writing order.
+      linked: the roles that are written and read as one set: io saves them
+        under one lock with a journal and reads them under a shared lock, so a
+        reader sees the complete old or the complete new set (see :mod:`pytreeio.io`).
+    """
+
+    locate: Callable[[Path], Mapping[str, Path]]
+    roles: tuple[str, ...]
+    linked: tuple[str, ...] = ()
+    kind: Literal["siblings"] = "siblings"
+
+
+Layout = File | Siblings | Directory
+
+FILE = File()
+DIRECTORY = Directory()
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What sniffing sees of a path, built by :func:`pytreeio.io.probe` (sniffers never open files).
+
+    Attributes:
+      path: the path as given.
+      kind: ``"file"``, ``"dir"`` or ``"missing"``.
+      head: the first bytes of a file (up to 4 KiB).
+      size: a file's size in bytes.
+      members: a ZIP file's member names (None when the file is not a ZIP).
+      names: a directory's files (relative POSIX paths; None for non-directories).
+      heads: the first bytes of a directory's small top-level text files
+        (``*.json``, ``*.txt``), by name.
+      siblings: for a :class:`Siblings` layout, the probe of each located
+        role whose file exists.
+    """
+
+    path: Path
+    kind: Literal["file", "dir", "missing"] = "file"
+    head: bytes = b""
+    size: int = 0
+    members: tuple[str, ...] | None = None
+    names: frozenset[str] | None = None
+    heads: Mapping[str, bytes] = field(default_factory=dict)
+    siblings: Mapping[str, Probe] = field(default_factory=dict)
+
+    @property
+    def is_dir(self) -> bool:
+        return self.kind == "dir"
+
+    @property
+    def is_file(self) -> bool:
+        return self.kind == "file"
+
+
+# --------------------------------------------------------------------------
+# values passed between formats, the API and io
+# --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -62,10 +178,15 @@ class Encoded:
 
     ``chunks`` reference the caller's arrays where possible (no copies);
     ``files`` holds one :class:`Encoded` per file for multi-file layouts.
+    ``deferred`` holds errors of a save that partly succeeded (bullet writes
+    ``raw.bin`` when quantisation overflows): the API writes what is here,
+    then raises them (``strict``) or warns.
     """
 
     chunks: tuple[Buffer, ...] = ()
     files: Mapping[str, Encoded] | None = None
+    deferred: tuple[Exception, ...] = ()
+    strict: bool = False
 
     @property
     def is_multi_file(self) -> bool:
@@ -164,24 +285,49 @@ def _human(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-@dataclass(frozen=True)
-class Probe:
-    """What sniffing sees of a path: the first bytes of a file, or a directory's file names."""
-
-    path: Path
-    head: bytes = b""
-    size: int = 0
-    names: frozenset[str] | None = None  # relative POSIX paths of a directory's files
-
-    @property
-    def is_dir(self) -> bool:
-        return self.names is not None
+# --------------------------------------------------------------------------
+# the Format record
+# --------------------------------------------------------------------------
 
 
-def _no_restore(native: Any, meta: dict[str, Any], like: Any, **options: Any) -> Any:
+def _structural_restore(native: Any, meta: dict[str, Any], like: Any) -> Any:
     from .tree import restore
 
     return restore(native, like)
+
+
+# Parameters the API passes itself; never user options.
+_POSITIONAL = frozenset({"tree", "native", "meta", "like", "source", "model", "dest", "lossy"})
+
+
+def declared_options(fn: Callable[..., Any] | None) -> frozenset[str]:
+    """The keyword options ``fn`` declares (keyword-only or keyword parameters, minus the API's)."""
+    if fn is None:
+        return frozenset()
+    try:
+        sig = _inspect.signature(fn)
+    except (TypeError, ValueError):
+        return frozenset()
+    names = set()
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            raise TypeError(
+                f"{getattr(fn, '__qualname__', fn)} takes **{p.name}: a format function must "
+                "declare each option it accepts by name"
+            )
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in _POSITIONAL:
+            if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD:
+                continue  # a positional argument, not an option
+            names.add(p.name)
+    return frozenset(names)
+
+
+def takes_dest(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` (an ``encode``) wants the destination path as the caller gave it."""
+    try:
+        return "dest" in _inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class Format(NamedTuple):
@@ -191,25 +337,23 @@ class Format(NamedTuple):
       name: registry name, e.g. ``"msgpack"``.
       description: one line for ``pytreeio formats``.
       suffixes: file suffixes that select this format on save (``".msgpack"``).
-      layout: ``"file"``, ``"dir"`` or ``"files"`` (see the module docstring).
-      encode: ``encode(tree, *, meta=None, **options) -> Encoded``; accepts the
-        native tree and the common layouts it documents.
-      decode: ``decode(source, **options) -> Decoded`` (native tree, meta).
+      layout: :data:`FILE`, a :class:`Siblings` value or :data:`DIRECTORY`.
+      encode: ``encode(tree, *, meta=None, [dest=None,] <save options>) -> Encoded``;
+        takes the native tree (and the common shapes it documents).
+      decode: ``decode(source, *, <load options>) -> Decoded`` (native tree, meta).
       inspect: ``inspect(source) -> Info`` touching only headers; ``source``
-        is a :class:`pytreeio.binary.ByteSource` (or, for multi-file layouts,
-        a mapping of them) whose ``read(offset, n, field)`` is bounded.
-      sniff: ``sniff(probe) -> bool``; True when the content is this format.
-      restore: ``restore(native, meta, like, **options) -> tree``: maps the
-        native tree onto the caller's ``like`` (naming conventions, layout
-        transposes).  Defaults to structural matching by key path.
-      locate: for layout ``"files"``: ``locate(path) -> {role: path}`` of the
-        files making up the checkpoint (existing or to be written).
-      stores_meta: whether ``meta`` survives a save in this format.
-      sniff_priority: formats with higher values are sniffed first; formats
-        without a magic number (msgpack) use a negative value.
-      load_options: the keyword options ``load``/``decode`` accept (passed to
-        both ``decode`` and ``restore``); others raise ``TypeError``.  None
-        leaves the checking to the format.
+        is a :class:`pytreeio.binary.ByteSource` (a mapping of them for
+        multi-file layouts) whose ``read(offset, n, field)`` is bounded.
+      sniff: ``sniff(probe) -> float``; 0 when the content is not this format.
+      restore: ``restore(native, meta, like, *, <load options>) -> tree``:
+        the native tree in the structure of a native-shaped ``like``.
+        Defaults to structural matching by key path.  (Model-shaped ``like``
+        trees go through ``to_model`` instead; see :mod:`pytreeio.model`.)
+      to_model: ``to_model(native, meta, *, <load options>) -> Model`` for
+        formats that hold a layered model; None for the others.
+      from_model: ``from_model(model, *, <save options>) -> (native, meta)``.
+      accepts_meta: ``encode`` uses the caller's ``meta``.
+      keeps_meta: the ``meta`` given on save comes back from ``decode``.
     """
 
     name: str
@@ -219,12 +363,48 @@ class Format(NamedTuple):
     encode: Callable[..., Encoded]
     decode: Callable[..., Decoded]
     inspect: Callable[..., Info]
-    sniff: Callable[[Probe], bool]
-    restore: Callable[..., Any] = _no_restore
-    locate: Callable[[Path], Mapping[str, Path]] | None = None
-    stores_meta: bool = True
-    sniff_priority: int = 0
-    load_options: frozenset[str] | None = frozenset()
+    sniff: Callable[[Probe], float]
+    restore: Callable[..., Any] = _structural_restore
+    to_model: Callable[..., Any] | None = None
+    from_model: Callable[..., Any] | None = None
+    accepts_meta: bool = True
+    keeps_meta: bool = True
+
+    @property
+    def is_model_format(self) -> bool:
+        return self.to_model is not None and self.from_model is not None
+
+    @property
+    def save_options(self) -> frozenset[str]:
+        """Options ``save``/``encode`` accept (model formats also take ``layers``)."""
+        extra = frozenset({"layers"}) if self.is_model_format else frozenset()
+        return declared_options(self.encode) | declared_options(self.from_model) | extra
+
+    @property
+    def load_options(self) -> frozenset[str]:
+        """Options ``load``/``decode`` accept."""
+        return (
+            declared_options(self.decode)
+            | declared_options(self.restore)
+            | declared_options(self.to_model)
+        )
+
+    def check_options(self, options: Mapping[str, Any], direction: str) -> None:
+        """Raise ``TypeError`` for options this format does not take in ``direction``."""
+        accepted = self.save_options if direction == "save" else self.load_options
+        unknown = sorted(set(options) - accepted)
+        if unknown:
+            raise TypeError(
+                f"format {self.name!r} takes no {direction} option(s) {', '.join(unknown)} "
+                f"(accepted: {', '.join(sorted(accepted)) or 'none'})"
+            )
+
+    def options_for(
+        self, fn: Callable[..., Any] | None, options: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The subset of ``options`` that ``fn`` declares."""
+        names = declared_options(fn)
+        return {k: v for k, v in options.items() if k in names}
 
 
 _REGISTRY: dict[str, Format] = {}
@@ -235,17 +415,32 @@ def _load_builtins() -> None:
     global _builtins_loaded
     if _builtins_loaded:
         return
+    _builtins_loaded = True
     for module in BUILTIN_MODULES:
         importlib.import_module(f"pytreeio.fmt.{module}")
-    _builtins_loaded = True
 
 
 def register(fmt: Format, *, replace: bool = False) -> Format:
-    """Add ``fmt`` to the registry under ``fmt.name`` and return it."""
+    """Add ``fmt`` to the registry under ``fmt.name`` and return it.
+
+    Checks that every function declares its options by name (no ``**kwargs``),
+    so that a misspelt option is a ``TypeError`` rather than silently ignored.
+    """
+    if not isinstance(fmt, Format):
+        raise TypeError(f"register() takes a pytreeio.Format, not {type(fmt).__name__}")
+    if not isinstance(fmt.layout, File | Siblings | Directory):
+        raise TypeError(f"format {fmt.name!r}: layout must be FILE, Siblings(...) or DIRECTORY")
+    for fn in (fmt.encode, fmt.decode, fmt.restore, fmt.to_model, fmt.from_model):
+        declared_options(fn)  # raises for **kwargs
     if not replace and fmt.name in _REGISTRY and _REGISTRY[fmt.name] is not fmt:
         raise ValueError(f"a format named {fmt.name!r} is already registered")
     _REGISTRY[fmt.name] = fmt
     return fmt
+
+
+def unregister(name: str) -> None:
+    """Remove a format (tests and user plug-ins that re-register)."""
+    _REGISTRY.pop(name, None)
 
 
 def formats() -> dict[str, Format]:
@@ -254,16 +449,19 @@ def formats() -> dict[str, Format]:
     return dict(_REGISTRY)
 
 
-def get(name: str | Format) -> Format:
+def get(name: str | Format, *, path: str | os.PathLike[str] | None = None) -> Format:
     """The format called ``name`` (a :class:`Format` is returned as is)."""
     if isinstance(name, Format):
         return name
     _load_builtins()
     try:
         return _REGISTRY[name]
-    except KeyError:
+    except (KeyError, TypeError):
         known = ", ".join(sorted(_REGISTRY))
-        raise UnknownFormatError(f"unknown format {name!r}; known formats: {known}") from None
+        raise UnknownFormatError(
+            f"unknown format {name!r}; known formats: {known}",
+            path=os.fspath(path) if path is not None else None,
+        ) from None
 
 
 def for_suffix(path: str | os.PathLike[str]) -> Format | None:
@@ -278,22 +476,28 @@ def for_suffix(path: str | os.PathLike[str]) -> Format | None:
     return best[0] if len(best) == 1 else None
 
 
-def sniff(probe: Probe) -> Format | None:
-    """The first registered format that recognises ``probe``'s content."""
+def best_match(probe_for: Callable[[Layout], Probe]) -> Format | None:
+    """The format whose ``sniff`` scores highest on the probe io built for its layout.
+
+    ``probe_for(layout)`` is called once per distinct layout.  A sniffer that
+    raises is treated as "not this format": sniffing must never turn a load
+    into a crash.  Ties go to the format registered first.
+    """
     _load_builtins()
-    for fmt in sorted(_REGISTRY.values(), key=lambda f: -f.sniff_priority):
+    probes: dict[Layout, Probe] = {}
+    best: tuple[float, Format] | None = None
+    for fmt in _REGISTRY.values():
+        if fmt.layout not in probes:
+            probes[fmt.layout] = probe_for(fmt.layout)
         try:
-            if fmt.sniff(probe):
-                return fmt
-        except Exception:  # a sniffer must never turn a load into a crash
+            score = float(fmt.sniff(probes[fmt.layout]))
+        except Exception:
             continue
-    return None
+        if score > 0 and (best is None or score > best[0]):
+            best = (score, fmt)
+    return best[1] if best else None
 
 
 def iter_formats() -> Iterator[Format]:
     _load_builtins()
     yield from _REGISTRY.values()
-
-
-def names(fmts: Sequence[Format]) -> list[str]:
-    return [f.name for f in fmts]

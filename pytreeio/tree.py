@@ -369,7 +369,8 @@ def _lookup(native: Any, comp: Component) -> Any:
             return native[str(comp)]
         return MISSING
     if is_namedtuple(native) and isinstance(comp, str):
-        return getattr(native, comp, MISSING)
+        # Only real fields: getattr would also find methods (count, index, _asdict).
+        return getattr(native, comp) if comp in type(native)._fields else MISSING
     if isinstance(native, list | tuple):
         if isinstance(comp, tuple):
             i = comp[1]
@@ -523,23 +524,39 @@ def _restore_leaf(native: Any, like: Any, path: tuple[Component, ...], convert: 
             )
         return _as_kind_of(native, like) if convert else native
     if isinstance(like, _SCALAR_TYPES):
-        value = native
-        if is_array_leaf(native) and tuple(native.shape) == ():
-            value = np.asarray(native)[()].item()
-        ok = isinstance(value, type(like)) or (
-            isinstance(like, float) and isinstance(value, int) and not isinstance(value, bool)
-        )
-        if isinstance(like, int) and not isinstance(like, bool) and isinstance(value, bool):
-            ok = False
-        if not ok:
-            raise MismatchError(
-                "type differs",
-                key_path=key_string(path),
-                expected=type(like).__name__,
-                found=describe_leaf(native),
-            )
-        return type(like)(value)
-    return native
+        return _restore_scalar(native, like, path)
+    # A template leaf of a kind restore does not know would be silently replaced
+    # by whatever the file holds; refuse it instead.
+    raise MismatchError(
+        f"`like` has a leaf of unsupported type {type(like).__module__}.{type(like).__qualname__} "
+        "(leaves must be arrays, ShapeDtypeStructs, Python scalars or None)",
+        key_path=key_string(path),
+        expected="an array, ShapeDtypeStruct, Python scalar or None",
+        found=describe_leaf(native),
+    )
+
+
+def _restore_scalar(native: Any, like: Any, path: tuple[Component, ...]) -> Any:
+    """A Python scalar of ``like``'s type from the file's scalar or 0-d array."""
+    value = native
+    if is_array_leaf(native) and tuple(native.shape) == ():
+        value = np.asarray(native)[()].item()
+    ok = isinstance(value, type(like)) or (
+        isinstance(like, float) and isinstance(value, int) and not isinstance(value, bool)
+    )
+    if isinstance(like, int) and not isinstance(like, bool) and isinstance(value, bool):
+        ok = False
+    if ok:
+        try:
+            return type(like)(value)
+        except (OverflowError, ValueError, TypeError):  # e.g. float(10**400)
+            pass
+    raise MismatchError(
+        "type differs" if not ok else "the file's value does not fit the template's type",
+        key_path=key_string(path),
+        expected=type(like).__name__,
+        found=describe_leaf(native),
+    )
 
 
 def _exact_scalar_array(

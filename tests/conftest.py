@@ -23,13 +23,27 @@ settings.register_profile(
 settings.load_profile("default")
 
 REPO = Path(__file__).resolve().parents[1]
-CONFORMANCE = REPO.parent / "shared" / "conformance"
+#: Real files written by the original systems; PYTREEIO_CONFORMANCE overrides the location.
+CONFORMANCE = Path(os.environ.get("PYTREEIO_CONFORMANCE", REPO.parent / "shared" / "conformance"))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Stop the whole run once, naming the path, when the conformance files are missing.
+
+    Conformance tests compare against bytes the original systems wrote; without
+    them the suite would skip or error test by test and hide the real cause.
+    """
+    if not CONFORMANCE.is_dir():
+        pytest.exit(
+            f"conformance files not found at {CONFORMANCE}: the suite needs ../shared/conformance "
+            "beside the repository (or PYTREEIO_CONFORMANCE pointing at it)",
+            returncode=1,
+        )
 
 
 @pytest.fixture
 def conformance() -> Path:
     """The directory of real files written by the original systems."""
-    assert CONFORMANCE.is_dir(), f"conformance files not found at {CONFORMANCE}"
     return CONFORMANCE
 
 

@@ -67,8 +67,18 @@ def test_convert_between_formats(tmp_path: Path) -> None:
     out = ptio.load(tmp_path / "dst.safetensors", like=tree)
     assert out["a"]["w"].tobytes() == tree["a"]["w"].tobytes() and out["n"] == 4
     ptio.save(tmp_path / "m.safetensors", tree, meta={"k": 1})
-    with pytest.warns(UserWarning, match="cannot store meta"):
+    # the target has no place for the source's meta: refused before anything is written ...
+    with pytest.raises(ptio.ConversionError, match=r"meta \['k'\]") as e:
         ptio.convert(tmp_path / "m.safetensors", tmp_path / "back.msgpack", to="msgpack")
+    assert e.value.what == ["meta.k"] and not (tmp_path / "back.msgpack").exists()
+    # ... or dropped on request, with a warning that lists it
+    with pytest.warns(ptio.PytreeioWarning, match=r"dropping the source's meta \['k'\]"):
+        ptio.convert(
+            tmp_path / "m.safetensors", tmp_path / "back.msgpack", to="msgpack", lossy=True
+        )
+    # meta given explicitly to a format that cannot store it: dropped with a warning
+    with pytest.warns(ptio.PytreeioWarning, match="cannot store meta"):
+        ptio.save(tmp_path / "n.msgpack", tree, meta={"k": 1})
 
 
 def test_errors_pickle_and_carry_their_fields() -> None:

@@ -23,9 +23,11 @@ def test_real_tinyllama_file_round_trips_through_safetensors(
 
 def test_real_tinyllama_file_round_trips_through_msgpack(conformance: Path, tmp_path: Path) -> None:
     original = conformance / "tinyllama" / "weights.bin"
-    # msgpack has no room for the config: the caller supplies it on the way back
-    with pytest.warns(UserWarning, match="cannot store meta"):
+    # msgpack has no room for the config: refused unless lossy, and supplied on the way back
+    with pytest.raises(ptio.ConversionError, match="config"):
         ptio.convert(original, tmp_path / "w.msgpack", to="msgpack")
+    with pytest.warns(ptio.PytreeioWarning, match="config"):
+        ptio.convert(original, tmp_path / "w.msgpack", to="msgpack", lossy=True)
     ptio.convert(
         tmp_path / "w.msgpack", tmp_path / "w.bin", to="tinyllama", meta=ptio.inspect(original).meta
     )

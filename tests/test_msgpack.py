@@ -18,6 +18,7 @@ from conftest import DTYPES, arrays, assert_bits_equal, trees
 from hypothesis import given
 
 import pytreeio as ptio
+from pytreeio.binary import BufferSource
 from pytreeio.fmt import msgpack as fmt_msgpack
 
 
@@ -223,3 +224,32 @@ def test_unserialisable_leaf_names_its_path() -> None:
 
 def test_module_constant_matches_flax() -> None:
     assert fmt_msgpack.MAX_CHUNK_BYTES == 2**30
+
+
+def test_registry_record_v2() -> None:
+    from pytreeio.registry import FILE, WEAK, Probe
+
+    fmt = fmt_msgpack.FORMAT
+    assert fmt.layout is FILE and not fmt.accepts_meta and not fmt.keeps_meta
+    assert fmt.save_options == {"chunk_bytes"} and fmt.load_options == set()
+    blob = _small_valid()
+    assert fmt.sniff(Probe(Path("x"), head=blob[:64], size=len(blob))) == WEAK
+    assert fmt.sniff(Probe(Path("x"), head=b"\x80", size=1)) == WEAK
+    assert fmt.sniff(Probe(Path("x"), head=b"\x92\x01\x02", size=3)) == 0
+    assert fmt.sniff(Probe(Path("d"), kind="dir")) == 0
+    with pytest.raises(ValueError):
+        fmt_msgpack.encode({"a": np.ones(1)}, chunk_bytes=0)
+    with pytest.raises(TypeError):
+        fmt_msgpack.encode({"a": np.ones(1)}, chunk_bytes=1.5)
+
+
+def test_inspect_summarises_huge_scalar_containers_but_lists_arrays() -> None:
+    tree = {
+        "w": np.ones(3, np.float32),
+        "many": {str(i): i for i in range(fmt_msgpack.LIST_LIMIT + 1)},
+        "few": {"0": 1, "1": 2.5},
+    }
+    info = fmt_msgpack.inspect(BufferSource(fser.to_bytes(tree)))
+    names = [e.name for e in info.entries]
+    assert names == ["w", "few/0", "few/1"]
+    assert info.meta == {"unlisted_scalars": fmt_msgpack.LIST_LIMIT + 1}

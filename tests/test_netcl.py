@@ -16,6 +16,7 @@ import pytest
 import pytreeio as ptio
 from pytreeio.errors import FormatError, MismatchError
 from pytreeio.fmt import netcl as nc
+from pytreeio.fmt import netcl_checkpoint as nck
 
 RNG = np.random.default_rng(0)
 
@@ -67,25 +68,23 @@ def test_config_inference_and_errors() -> None:
         {"weight": f32(4, 8)},
         {"gamma": f32(8), "beta": f32(8), "running_mean": f32(8), "running_var": f32(8)},
     ]
-    enc = nc._encode_model(only_params, meta=None)
-    meta = nc._decode_model({"model": enc.files["model"].tobytes()}).meta
+    enc = nc.encode(only_params, meta=None)
+    meta = nc.decode({"model": enc.files["model"].tobytes()}).meta
     assert meta["config"] == [
         {"type": "Linear", "args": {"in_features": 4, "out_features": 8, "bias": False}},
         {"type": "BatchNorm2d", "args": {"num_features": 8, "momentum": 0.1, "eps": 1e-05}},
     ]
     with pytest.raises(MismatchError, match="layer 1 has no parameters") as e:
-        nc._encode_model(MLP, meta=None)
+        nc.encode(MLP, meta=None)
     assert "meta.config[1]" in str(e.value)
     with pytest.raises(MismatchError, match="shape"):
-        nc._encode_model(
+        nc.encode(
             MLP, meta={"config": [{"type": "Linear", "args": {"in_features": 5}}, "ReLU", "Linear"]}
         )
     with pytest.raises(MismatchError, match="unknown layer type"):
-        nc._encode_model(MLP, meta={"config": ["Linear", "GELU", "Linear"]})
+        nc.encode(MLP, meta={"config": ["Linear", "GELU", "Linear"]})
     with pytest.raises(MismatchError, match="unknown args"):
-        nc._encode_model(
-            MLP, meta={"config": ["Linear", {"type": "ReLU", "args": {"x": 1}}, "Linear"]}
-        )
+        nc.encode(MLP, meta={"config": ["Linear", {"type": "ReLU", "args": {"x": 1}}, "Linear"]})
 
 
 def test_all_layer_types_round_trip() -> None:
@@ -100,8 +99,8 @@ def test_all_layer_types_round_trip() -> None:
         {"type": "LeakyReLU", "args": {"negative_slope": 0.2}}, "Sigmoid", "Tanh", "Flatten",
         {"type": "Dropout", "args": {"p": 0.3, "seed": 1}}, "Linear",
     ]  # fmt: skip
-    raw = nc._encode_model(layers, meta={"config": config}).files["model"].tobytes()
-    tree, meta = nc._decode_model({"model": raw})
+    raw = nc.encode(layers, meta={"config": config}).files["model"].tobytes()
+    tree, meta = nc.decode({"model": raw})
     assert [c["type"] for c in meta["config"]] == [
         "Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d", "LeakyReLU", "Sigmoid", "Tanh", "Flatten", "Dropout", "Linear",
     ]  # fmt: skip
@@ -117,8 +116,8 @@ def test_all_layer_types_round_trip() -> None:
 
 
 def test_legacy_pair_and_netcl_fallback(tmp_path: Path) -> None:
-    raw = nc._encode_model(MLP, meta={"config": MLP_CONFIG}).files["model"].tobytes()
-    _tree, meta = nc._decode_model({"model": raw})
+    raw = nc.encode(MLP, meta={"config": MLP_CONFIG}).files["model"].tobytes()
+    _tree, meta = nc.decode({"model": raw})
     stem = tmp_path / "legacy"
     arrays = {f"{i}:{k}": v for i, layer in enumerate(MLP) for k, v in layer.items()}
     np.savez(str(stem) + ".npz", **arrays)
@@ -144,11 +143,11 @@ def test_model_file_hostile_content() -> None:
     f = io.BytesIO()
     np.savez(f, **bad_meta)
     with pytest.raises(FormatError, match="JSON"):
-        nc._decode_model({"model": f.getvalue()})
+        nc.decode({"model": f.getvalue()})
     f = io.BytesIO()
     np.savez(f, **{"0:weight": np.ones((2, 2), np.float32)})
     with pytest.raises(FormatError, match="missing NetCL metadata"):
-        nc._decode_model({"model": f.getvalue()})
+        nc.decode({"model": f.getvalue()})
     doc = {
         "type": "Sequential",
         "config": [{"type": "Linear", "args": {"in_features": 3, "out_features": 2}}],
@@ -158,11 +157,11 @@ def test_model_file_hostile_content() -> None:
         f, **{"0:weight": np.ones((2, 2), np.float32), "__netcl_meta__": np.array(json.dumps(doc))}
     )
     with pytest.raises(FormatError, match="shape"):
-        nc._decode_model({"model": f.getvalue()})
-    raw = nc._encode_model(MLP, meta={"config": MLP_CONFIG}).files["model"].tobytes()
+        nc.decode({"model": f.getvalue()})
+    raw = nc.encode(MLP, meta={"config": MLP_CONFIG}).files["model"].tobytes()
     for n in range(0, len(raw), 7):
         with pytest.raises(FormatError):
-            nc._decode_model({"model": raw[:n]})
+            nc.decode({"model": raw[:n]})
 
 
 # --------------------------------------------------------------------------
@@ -274,7 +273,10 @@ def test_exact_resume_through_netcl_checkpoint(
     p = tmp_path / "ckpt" / "iter_6"
     p.parent.mkdir()
     ptio.save(
-        p, {"params": mid_p, "optim_state": mid_s, "config": {"step": 6}}, format="netcl-checkpoint"
+        p,
+        {"params": mid_p, "optim_state": mid_s},
+        format="netcl-checkpoint",
+        meta={"config": {"step": 6}},
     )
     assert (tmp_path / "ckpt" / "iter_6.npz").is_file() and (
         tmp_path / "ckpt" / "iter_6.json"
@@ -282,9 +284,9 @@ def test_exact_resume_through_netcl_checkpoint(
     doc = json.loads((tmp_path / "ckpt" / "iter_6.json").read_text())
     assert list(doc) == ["optim_state", "config"]
     assert ("t" in doc["optim_state"]) != ("velocity" in doc["optim_state"])
-    like = {"params": params, "optim_state": state, "config": {}}
+    like = {"params": params, "optim_state": state}
     loaded = ptio.load(p, like=like, format="netcl-checkpoint")
-    assert loaded["config"] == {"step": 6}
+    assert ptio.load_with_meta(p, format="netcl-checkpoint")[1]["config"] == {"step": 6}
     res_p, res_s = _train(opt, loaded["params"], loaded["optim_state"], 4, 6)
     for a, b in zip(jax.tree.leaves((res_p, res_s)), jax.tree.leaves((ref_p, ref_s))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -322,7 +324,7 @@ def test_netcl_params_errors_have_netcl_wording(tmp_path: Path) -> None:
         ptio.load(
             p, like=[np.zeros((2, 3), np.float32), np.zeros(3, np.float32)], format="netcl-params"
         )
-    assert isinstance(e.value, nc.NetclMissingParamError) and isinstance(e.value, MismatchError)
+    assert isinstance(e.value, nck.NetclMissingParamError) and isinstance(e.value, MismatchError)
     assert "missing param p0 in checkpoint" in str(e.value)
     with pytest.raises(
         ValueError, match=r"shape mismatch for fc.bias: ckpt \(3,\) vs param \(4,\)"
@@ -331,7 +333,7 @@ def test_netcl_params_errors_have_netcl_wording(tmp_path: Path) -> None:
             p, like=[np.zeros((2, 3), np.float32), np.zeros(4, np.float32)], format="netcl-params",
             names=["fc.weight", "fc.bias"],
         )  # fmt: skip
-    assert isinstance(e2.value, nc.NetclShapeMismatchError)
+    assert isinstance(e2.value, nck.NetclShapeMismatchError)
     back = ptio.load(
         p,
         like=[np.zeros((2, 3), np.float32), np.zeros(3, np.float32)],
@@ -342,10 +344,10 @@ def test_netcl_params_errors_have_netcl_wording(tmp_path: Path) -> None:
 
 
 def test_checkpoint_json_hostile(tmp_path: Path) -> None:
-    npz = nc._encode_params([f32(2)], meta=None).files["npz"].tobytes()
+    npz = nck._encode_params([f32(2)], meta=None).files["npz"].tobytes()
     for bad in (b"[1, 2]", b"{", b"\xff\xfe", b"[" * 100000):
         with pytest.raises(FormatError):
-            nc._decode_checkpoint({"npz": npz, "json": bad})
+            nck._decode_checkpoint({"npz": npz, "json": bad})
     opt = optax.adam(1e-3)
     like = {"params": [np.zeros(2, np.float32)], "optim_state": opt.init([jnp.zeros(2)])}
     for state in (
@@ -354,6 +356,129 @@ def test_checkpoint_json_hostile(tmp_path: Path) -> None:
         {"t": 1, "moments": [[[1e300, 0], [0, 0]]]},
     ):
         doc = json.dumps({"optim_state": state, "config": {}}).encode()
-        native, meta = nc._decode_checkpoint({"npz": npz, "json": doc})
         with pytest.raises((FormatError, MismatchError)):
-            nc._restore_checkpoint(native, meta, like)
+            native, meta = nck._decode_checkpoint({"npz": npz, "json": doc})
+            nck._restore_checkpoint(native, meta, like)
+
+
+# --------------------------------------------------------------------------
+# hostile input found by the audit: only pytreeio errors
+# --------------------------------------------------------------------------
+
+
+def _npz_bytes(arrays: dict) -> bytes:
+    f = io.BytesIO()
+    np.savez(f, **arrays)
+    return f.getvalue()
+
+
+def _model_file(config: list, arrays: dict) -> bytes:
+    doc = {"type": "Sequential", "config": config, "version": 2, "format": "netcl.single-file"}
+    return _npz_bytes({**arrays, "__netcl_meta__": np.array(json.dumps(doc))})
+
+
+def test_layer_type_that_is_not_a_string_is_a_format_error() -> None:
+    raw = _model_file([{"type": ["Linear"], "args": {}}], {})
+    with pytest.raises(FormatError, match="unknown layer type") as e:
+        nc.decode({"model": raw})
+    assert e.value.field == "__netcl_meta__.config[0].type"
+
+
+def test_huge_layer_index_in_a_member_name_is_a_format_error() -> None:
+    raw = _model_file([{"type": "ReLU"}], {"9" * 5000 + ":weight": np.ones(2, np.float32)})
+    with pytest.raises(FormatError, match="not named"):
+        nc.decode({"model": raw})
+
+
+def test_inspect_of_a_legacy_pair_with_bad_utf8_is_a_format_error(tmp_path: Path) -> None:
+    stem = tmp_path / "legacy"
+    np.savez(str(stem) + ".npz", **{"0:weight": np.ones((2, 2), np.float32)})
+    Path(str(stem) + ".json").write_bytes(b'{"type": "Sequential", "x": "\xff\xfe"}')
+    with pytest.raises(FormatError) as e:
+        ptio.inspect(stem, format="netcl")
+    assert e.value.offset is not None
+
+
+def test_step_count_beyond_the_like_dtype_is_a_mismatch_not_an_overflow(tmp_path: Path) -> None:
+    params = {"Dense_0": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)}}
+    opt = optax.adam(1e-3)
+    state = opt.init(params)
+    p = tmp_path / "c"
+    ptio.save(p, {"params": params, "opt_state": state}, format="netcl-checkpoint")
+    doc = json.loads(Path(str(p) + ".json").read_text())
+    doc["optim_state"]["t"] = 2**31
+    Path(str(p) + ".json").write_text(json.dumps(doc))
+    with pytest.raises(MismatchError):
+        ptio.load(p, like={"params": params, "opt_state": state}, format="netcl-checkpoint")
+    doc["optim_state"]["t"] = 2**64
+    Path(str(p) + ".json").write_text(json.dumps(doc))
+    with pytest.raises(FormatError, match=r"optim_state\.t"):
+        ptio.load(p, format="netcl-checkpoint")
+
+
+@pytest.mark.parametrize("bad_leaf", [None, {}, "x", 3.5])
+def test_like_with_odd_leaves_is_a_mismatch(tmp_path: Path, bad_leaf: object) -> None:
+    p = tmp_path / "c"
+    ptio.save(p, {"params": [f32(2, 3), f32(3)]}, format="netcl-checkpoint")
+    like = {"params": [np.zeros((2, 3), np.float32), bad_leaf]}
+    with pytest.raises(ptio.PytreeioError):
+        ptio.load(p, like=like, format="netcl-checkpoint")
+    with pytest.raises(ptio.PytreeioError):
+        ptio.load(p, like={"params": {"Dense_0": {"kernel": bad_leaf}}}, format="netcl-checkpoint")
+
+
+def test_extra_like_leaves_in_a_checkpoint_are_refused_not_returned(tmp_path: Path) -> None:
+    p = tmp_path / "c"
+    ptio.save(
+        p, {"params": [f32(2)], "optim_state": {}, "config": {"lr": 0.1}}, format="netcl-checkpoint"
+    )
+    like = {"params": [np.zeros(2, np.float32)], "optim_state": {"t": 0}, "config": {"lr": 0.0}}
+    with pytest.raises(MismatchError):
+        ptio.load(p, like=like, format="netcl-checkpoint")
+    like2 = {"params": [np.zeros(2, np.float32)], "config": {"lr": 0.0, "momentum": 0.9}}
+    with pytest.raises(MismatchError):
+        ptio.load(p, like=like2, format="netcl-checkpoint")
+
+
+def test_a_like_namedtuple_with_a_count_the_file_lacks_is_a_mismatch(tmp_path: Path) -> None:
+    p = tmp_path / "c"
+    params = {"Dense_0": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)}}
+    opt = optax.sgd(0.1, momentum=0.9)
+    ptio.save(p, {"params": params, "opt_state": opt.init(params)}, format="netcl-checkpoint")
+    adam_like = optax.adam(1e-3).init(params)  # has a count; the SGD file has none
+    with pytest.raises(MismatchError):
+        ptio.load(p, like={"params": params, "opt_state": adam_like}, format="netcl-checkpoint")
+
+
+def test_convert_passes_meta_that_save_would_store(tmp_path: Path) -> None:
+    src = tmp_path / "a.safetensors"
+    ptio.save(src, {"params": {"p0": f32(2)}, "optim_state": {}, "config": {}})
+    dst = tmp_path / "b"
+    ptio.convert(src, dst, to="netcl-checkpoint", meta={"config": {"epochs": 3}})
+    assert json.loads(Path(str(dst) + ".json").read_text())["config"] == {"epochs": 3}
+
+
+def test_unknown_options_raise_type_error_on_save_load_and_convert(tmp_path: Path) -> None:
+    p = tmp_path / "m.netcl"
+    with pytest.raises(TypeError, match="verfy"):
+        ptio.save(p, MLP, format="netcl", meta={"config": MLP_CONFIG}, verfy=1)
+    ptio.save(p, MLP, format="netcl", meta={"config": MLP_CONFIG})
+    with pytest.raises(TypeError, match="verfy"):
+        ptio.load(p, verfy=1)
+    with pytest.raises(TypeError, match="verfy"):
+        ptio.convert(p, tmp_path / "x.safetensors", to="safetensors", verfy=1)
+    ptio.convert(p, tmp_path / "x.safetensors", to="safetensors", verify_crc=False)
+
+
+def test_checkpoint_moments_are_arrays_in_the_native_tree(tmp_path: Path) -> None:
+    params = {"Dense_0": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)}}
+    opt = optax.adamw(1e-3)
+    state = opt.init(params)
+    p = tmp_path / "c"
+    ptio.save(p, {"params": params, "opt_state": state}, format="netcl-checkpoint")
+    native = ptio.load(p, format="netcl-checkpoint")
+    m, _v = native["optim_state"]["moments"][0]
+    assert isinstance(m, np.ndarray) and m.shape == (2, 3) and m.dtype == np.float32
+    st = tmp_path / "c.safetensors"
+    ptio.convert(p, st, to="safetensors", from_="netcl-checkpoint")
+    assert len(ptio.inspect(st).entries) == 2 + 4 + 1  # two params, two moment pairs, t

@@ -287,3 +287,54 @@ def test_not_a_zip() -> None:
         zlib.compress(b"x" * 100),
     ):
         _must_fail(junk)
+
+
+# --------------------------------------------------------------------------
+# pytreeio.zip
+# --------------------------------------------------------------------------
+
+
+def test_member_names_reads_only_the_central_directory() -> None:
+    from pytreeio import zip as zipfmt
+
+    data = ours({"a": np.zeros(1 << 16, np.float32), "b/c": np.ones(2), "é": np.ones(1)})
+    src = BufferSource(data)
+    assert zipfmt.member_names(src) == ("a.npy", "b/c.npy", "é.npy")
+    assert src.bytes_read < 512
+    with pytest.raises(FormatError, match="exceeds"):
+        zipfmt.member_names(BufferSource(data), max_bytes=10)
+    for junk in (b"", b"PK\x03\x04" + bytes(30), b"\0" * 100):
+        with pytest.raises(FormatError):
+            zipfmt.member_names(BufferSource(junk))
+    # names are reported as stored, even unsafe ones (read_zip_directory refuses those)
+    assert zipfmt.member_names(BufferSource(_zip_of(b"x", "../up.npy"))) == ("../up.npy",)
+
+
+def test_zip_module_and_transitional_npy_names() -> None:
+    from pytreeio import zip as zipfmt
+
+    assert npy.read_zip_directory is zipfmt.read_zip_directory
+    assert npy.member_data is zipfmt.member_data
+    assert npy.check_member_name is zipfmt.check_member_name
+    stored = b"".join(
+        bytes(as_memoryview(c)) for c in zipfmt.encode_stored([("x.txt", [b"hello"])])
+    )
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(stored)) as z:
+        assert z.read("x.txt") == b"hello" and z.testzip() is None
+    (m,) = zipfmt.read_zip_directory(BufferSource(stored))
+    assert bytes(zipfmt.member_data(BufferSource(stored), m)) == b"hello"
+    with pytest.raises(EncodeError):
+        zipfmt.encode_stored([("a", [b""]), ("a", [b""])])
+
+
+def test_inflation_allowance_is_shared_by_all_members() -> None:
+    f = io.BytesIO()
+    np.savez_compressed(f, a=np.zeros(50_000), b=np.zeros(50_000))
+    data = f.getvalue()
+    back = npy.read_npz(data)
+    assert back["a"].shape == (50_000,)
+    # each member alone fits 500 kB; together they do not
+    with pytest.raises(FormatError, match="inflates to"):
+        npy.read_npz(data, max_inflated=500_000)

@@ -235,3 +235,28 @@ def test_namedtuple_without_like_keeps_name_and_fields() -> None:
     P = namedtuple("P", ["x", "y"])
     back = ptio.decode(ptio.encode(P(np.ones(1), 2), "safetensors"), "safetensors")
     assert type(back).__name__ == "P" and back.x.tolist() == [1.0] and back.y == 2
+
+
+def test_registry_record_v2() -> None:
+    from pytreeio.registry import FILE, MAGIC, STRUCTURE, Probe
+
+    fmt = fmt_st.FORMAT
+    assert fmt.layout is FILE and fmt.accepts_meta and fmt.keeps_meta
+    assert fmt.save_options == set() and fmt.load_options == set()
+    blob = ptio.encode({"w": np.ones(2)}, "safetensors").tobytes()
+    assert fmt.sniff(Probe(Path("x"), head=blob[:4096], size=len(blob))) == MAGIC
+    other = struct.pack("<Q", 8) + b'{"a":1} ' + b"\0" * 8
+    assert fmt.sniff(Probe(Path("x"), head=other, size=len(other))) == STRUCTURE
+    assert fmt.sniff(Probe(Path("x"), head=struct.pack("<Q", 99) + b"{", size=20)) == 0
+    assert fmt.sniff(Probe(Path("d"), kind="dir")) == 0
+
+
+def test_json_documents_are_parsed_with_bounds() -> None:
+    md = {"format": "pytreeio", "pytreeio.version": "1", "pytreeio.tree": '{"list": [null, null]}'}
+    blob = _blob({"__metadata__": {**md, "pytreeio.meta": '{"a": [1, {"b": null}]}'}})
+    tree, meta = fmt_st.decode(blob)
+    assert tree == [None, None] and meta == {"a": [1, {"b": None}]}
+    for bad in ('{"a": NaN}', '{"a": 1, "a": 2}', '{"a": ' + "[" * 500 + "]" * 500 + "}"):
+        with pytest.raises(ptio.FormatError) as e:
+            fmt_st.decode(_blob({"__metadata__": {**md, "pytreeio.meta": bad}}))
+        assert e.value.field == "pytreeio.meta" and e.value.offset == 8

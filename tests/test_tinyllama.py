@@ -17,7 +17,7 @@ from pytreeio import registry
 from pytreeio.binary import BufferSource
 from pytreeio.errors import EncodeError, FormatError, MismatchError
 from pytreeio.fmt import tinyllama as tl
-from pytreeio.registry import Probe
+from pytreeio.registry import FILE, MAGIC, Probe
 
 CONFORMANCE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "tinyllama"
 WEIGHTS = CONFORMANCE / "weights.bin"
@@ -161,18 +161,19 @@ def test_conformance_inspect_reads_header_only(weights: bytes) -> None:
 
 
 def test_sniff() -> None:
-    assert tl.sniff(Probe(Path("w.bin"), head=b"MLLT\x01\x00\x00\x00"))
-    assert tl.sniff(Probe(Path("w.bin"), head=b"TLLM\x00\x00\x00\x01"))
-    assert not tl.sniff(Probe(Path("w.bin"), head=b"\x89HDF"))
-    assert not tl.sniff(Probe(Path("w.bin"), head=b"MLL"))
-    assert not tl.sniff(Probe(Path("d"), names=frozenset({"MLLT"})))
+    assert tl.sniff(Probe(Path("w.bin"), head=b"MLLT\x01\x00\x00\x00")) == MAGIC
+    assert tl.sniff(Probe(Path("w.bin"), head=b"TLLM\x00\x00\x00\x01")) == MAGIC
+    assert tl.sniff(Probe(Path("w.bin"), head=b"\x89HDF")) == 0
+    assert tl.sniff(Probe(Path("w.bin"), head=b"MLL")) == 0
+    assert tl.sniff(Probe(Path("d"), kind="dir", names=frozenset({"MLLT"}))) == 0
 
 
 def test_registered_without_claiming_bin() -> None:
     # (pytreeio.registry, not ptio.formats: importing the pytreeio.fmt package
     # rebinds that attribute of pytreeio to the subpackage)
     fmt = registry.get("tinyllama")
-    assert fmt.layout == "file" and fmt.stores_meta
+    assert fmt.layout is FILE and fmt.accepts_meta and fmt.keeps_meta
+    assert fmt.load_options == {"expected_config"} and fmt.save_options == {"cast"}
     assert ".bin" not in fmt.suffixes
 
 

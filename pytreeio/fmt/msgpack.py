@@ -22,11 +22,21 @@ elements per chunk, as flax does.
 Writing streams each array's own buffer to the file (the ext and bin
 headers are computed, never the payload); reading parses the framing in
 place and returns arrays that are views of the file's bytes.
+
+Reading is bounded: nesting depth (:data:`_MAX_DEPTH`), the number of maps
+and arrays (:data:`CONTAINER_COST`), array shapes
+(:func:`pytreeio.binary.check_shape`), and every length against the bytes
+that remain.  ``inspect`` does not build a Python object per scalar of huge
+containers: beyond :data:`LIST_LIMIT` children per container or
+:data:`SCALAR_BUDGET` listed scalars per file, scalars (and containers left
+with nothing to list) are only counted, in ``Info.meta["unlisted_scalars"]``.
+The format has no magic number, so ``sniff`` only ever makes a weak guess.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 import sys
 import warnings
 from collections.abc import Mapping
@@ -36,18 +46,41 @@ import msgpack
 import numpy as np
 
 from .. import dtypes
-from ..binary import ByteSource, Reader, Writer
+from ..binary import ByteSource, Reader, Writer, check_shape
 from ..errors import EncodeError
-from ..registry import Decoded, Encoded, Entry, Format, Info, Probe, register
+from ..registry import FILE, WEAK, Decoded, Encoded, Entry, Format, Info, Probe, register
 from ..tree import is_jax_array, is_namedtuple, key_string, namedtuple_fields
 
-__all__ = ["FORMAT", "encode", "decode", "inspect", "MAX_CHUNK_BYTES"]
+__all__ = ["FORMAT", "encode", "decode", "inspect", "sniff", "MAX_CHUNK_BYTES"]
 
 #: flax.serialization.MAX_CHUNK_SIZE: arrays above this many bytes are chunked.
 MAX_CHUNK_BYTES = 2**30
 _CHUNKED = "__msgpack_chunked_array__"
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
 _MAX_DEPTH = 200  # each level costs two Python frames; flax trees are rarely 20 deep
+#: Bytes of Python objects one map or array costs at most; the file may hold
+#: ``(size + 64 MiB) / CONTAINER_COST`` of them (a 2 MB file of two million empty
+#: arrays would otherwise cost 130 MB).  Real state dicts hold a few per array.
+CONTAINER_COST = 64
+_CONTAINER_ALLOWANCE = 64 * 1024 * 1024
+#: inspect lists the scalars of containers with at most this many children ...
+LIST_LIMIT = 64
+#: ... and at most this many scalars per file; the others are counted.
+SCALAR_BUDGET = 4096
+_SCALARS = (bool, int, float, str, bytes, complex, type(None))
+# Fixed-width numbers by type byte (big-endian), for the parser's fast path.
+_FIXED = {
+    0xCA: struct.Struct(">f"),
+    0xCB: struct.Struct(">d"),
+    0xCC: struct.Struct(">B"),
+    0xCD: struct.Struct(">H"),
+    0xCE: struct.Struct(">I"),
+    0xCF: struct.Struct(">Q"),
+    0xD0: struct.Struct(">b"),
+    0xD1: struct.Struct(">h"),
+    0xD2: struct.Struct(">i"),
+    0xD3: struct.Struct(">q"),
+}
 _packb = msgpack.packb
 
 
@@ -218,7 +251,6 @@ def encode(
     *,
     meta: Mapping[str, Any] | None = None,
     chunk_bytes: int = MAX_CHUNK_BYTES,
-    **options: Any,
 ) -> Encoded:
     """The flax state-dict msgpack encoding of ``tree`` (array buffers referenced, not copied).
 
@@ -226,8 +258,10 @@ def encode(
       chunk_bytes: arrays above this size are split as flax splits them;
         leave it at flax's 2**30 unless testing.
     """
-    if options:
-        raise TypeError(f"unknown msgpack options: {sorted(options)}")
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int):
+        raise TypeError(f"chunk_bytes must be an int, got {type(chunk_bytes).__name__}")
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     if meta:
         warnings.warn(
             f"the msgpack format cannot store meta; dropping {sorted(meta)}", stacklevel=3
@@ -253,12 +287,32 @@ class _ArrayHeader:
         self.nbytes = nbytes
 
 
-class _Parser:
-    """Bounded msgpack parser producing flax's ``msgpack_restore`` values."""
+class _Indexed(dict):  # type: ignore[type-arg]
+    """A msgpack array as ``inspect`` keeps it: only the listed children, by index."""
 
-    def __init__(self, r: Reader, *, skip_data: bool) -> None:
+
+#: What a summarised container becomes when nothing in it is listed (the parent drops it).
+_NOTHING: Any = object()
+
+
+class _Parser:
+    """Bounded msgpack parser producing flax's ``msgpack_restore`` values.
+
+    ``skip_data`` (inspect) skips array payloads, returning :class:`_ArrayHeader`;
+    ``summarise`` (inspect) keeps only what :func:`_entries` will list (see the
+    module doc), counting the rest in ``unlisted``.  ``chunked`` records where
+    each map holding flax's chunked-array key was read, for error offsets.
+    """
+
+    def __init__(self, r: Reader, *, skip_data: bool, summarise: bool = False) -> None:
         self.r = r
         self.skip_data = skip_data
+        self.summarise = summarise
+        self.listed = 0
+        self.unlisted = 0
+        self.chunked: dict[int, int] = {}
+        # Maps and arrays cost 60+ bytes each but only 1 byte of file: the file pays for them.
+        self.containers_left = (len(r.view) + _CONTAINER_ALLOWANCE) // CONTAINER_COST
 
     def value(self, depth: int, field: str) -> Any:
         r = self.r
@@ -341,32 +395,103 @@ class _Parser:
         raise r.error(f"invalid msgpack type byte 0x{b:02x}", field, r.start + at)
 
     def _deeper(self, depth: int, field: str) -> int:
+        """Enter a container: bounded in depth and in number (see CONTAINER_COST)."""
         if depth >= _MAX_DEPTH:
             raise self.r.error(f"nesting deeper than {_MAX_DEPTH} levels", field)
+        self.containers_left -= 1
+        if self.containers_left < 0:
+            raise self.r.error(
+                f"more maps and arrays than a file of {len(self.r.view):,} bytes may hold "
+                f"(each costs about {CONTAINER_COST} bytes of Python objects)",
+                field,
+            )
         return depth + 1
 
-    def array(self, n: int, depth: int, field: str) -> list[Any]:
+    def _keep(self, child: Any, n: int) -> bool:
+        """Summarising: whether a container of ``n`` children stores ``child``."""
+        if child is _NOTHING:
+            return False
+        if type(child) in _SCALARS:
+            if n <= LIST_LIMIT and self.listed < SCALAR_BUDGET:
+                self.listed += 1
+                return True
+            self.unlisted += 1
+            return False
+        return True
+
+    def array(self, n: int, depth: int, field: str) -> Any:
         depth = self._deeper(depth, field)
         # Each element takes at least one byte: a lying count fails on truncation
         # after at most `remaining` iterations, never by allocating.
-        return [self.value(depth, f"{field}[{i}]") for i in range(n)]
-
-    def map(self, n: int, depth: int, field: str) -> dict[Any, Any]:
-        depth = self._deeper(depth, field)
-        out: dict[Any, Any] = {}
         r = self.r
-        for _ in range(n):
-            at = r.pos
-            key = self.value(depth, field)
-            if type(key) is not str:
-                if isinstance(key, dict | list | np.ndarray | _ArrayHeader):
-                    raise r.error("map key is not a scalar", field, r.start + at)
-                child = str(key)
+        view = r.view
+        end = len(view)
+        summarise = self.summarise
+        items: Any = _Indexed() if summarise else []
+        for i in range(n):
+            # Fast path for one-byte scalars (no call, no field string): huge arrays
+            # of small ints cost about 0.2 us per element instead of 2.
+            p = r.pos
+            b = view[p] if p < end else 0xC1
+            if b <= 0x7F or b >= 0xE0:
+                r.pos = p + 1
+                child: Any = b if b <= 0x7F else b - 0x100
+            elif 0xC0 <= b <= 0xC3 and b != 0xC1:
+                r.pos = p + 1
+                child = None if b == 0xC0 else b == 0xC3
+            elif b in _FIXED and p + _FIXED[b].size < end:
+                child = _FIXED[b].unpack_from(view, p + 1)[0]
+                r.pos = p + 1 + _FIXED[b].size
             else:
-                child = key
-            if key in out:
-                raise r.error(f"duplicate map key {key!r}", field, r.start + at)
-            out[key] = self.value(depth, child if not field else field + "/" + child)
+                child = self.value(depth, f"{field}[{i}]")
+            if not summarise:
+                items.append(child)
+            elif n > LIST_LIMIT and type(child) in _SCALARS:
+                self.unlisted += 1  # the common case of a huge array, without a call
+            elif self._keep(child, n):
+                items[i] = child
+        return items if items or not summarise else _NOTHING
+
+    def map(self, n: int, depth: int, field: str) -> Any:
+        depth = self._deeper(depth, field)
+        r = self.r
+        view = r.view
+        end = len(view)
+        at = r.start + r.pos
+        out: dict[Any, Any] = {}
+        summarise = self.summarise
+        try:
+            for i in range(n):
+                key_at = r.pos
+                b = view[key_at] if key_at < end else 0xC1
+                if 0xA0 <= b <= 0xBF and key_at + 1 + (b & 0x1F) <= end:
+                    # fixstr keys (every flax state dict) without a call
+                    try:
+                        key = str(view[key_at + 1 : key_at + 1 + (b & 0x1F)], "utf-8")
+                        r.pos = key_at + 1 + (b & 0x1F)
+                    except UnicodeDecodeError:
+                        key = self.value(depth, field)  # reports the offset
+                else:
+                    key = self.value(depth, field)
+                if type(key) is not str:
+                    if isinstance(key, dict | list | np.ndarray | _ArrayHeader) or key is _NOTHING:
+                        raise r.error("map key is not a scalar", field, r.start + key_at)
+                    child = str(key)
+                else:
+                    child = key
+                if key in out:
+                    raise r.error(f"duplicate map key {key!r:.80}", field, r.start + key_at)
+                if i == 0 and key == _CHUNKED:
+                    self.summarise = False  # a chunked array is kept whole: it is one entry
+                value = self.value(depth, child if not field else field + "/" + child)
+                if not self.summarise or self._keep(value, n):
+                    out[key] = value
+        finally:
+            self.summarise = summarise
+        if _CHUNKED in out:
+            self.chunked[id(out)] = at
+        if summarise and not out:
+            return _NOTHING  # nothing to list: the parent keeps no object for it
         return out
 
     def ext(self, n: int, field: str, depth: int) -> Any:
@@ -389,7 +514,10 @@ class _Parser:
             ):
                 raise body.error("complex extension is not [real, imag]", field, body.start)
             body.expect_end(field)
-            return complex(inner[0], inner[1])
+            try:
+                return complex(inner[0], inner[1])
+            except OverflowError:  # an int part beyond a double's range
+                raise body.error("complex part out of range", field, body.start) from None
         raise r.error(f"unknown msgpack extension type {code}", field, body.start - 1)
 
     def ndarray(self, body: Reader, field: str) -> Any:
@@ -413,20 +541,19 @@ class _Parser:
         sub = _Parser(body, skip_data=True)
         shape_at = body.offset
         shape = sub.value(_MAX_DEPTH - 2, field)
-        if (
-            not isinstance(shape, list)
-            or len(shape) > 64
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
         ):
-            raise body.error(f"bad array shape {shape!r}", field, shape_at)
+            raise body.error(f"bad array shape {shape!r:.80}", field, shape_at)
         dtype_at = body.offset
         name = sub.value(_MAX_DEPTH - 2, field)
         if isinstance(name, bytes):
             name = name.decode("ascii", "replace")
         found = dtypes.by_name(name) if isinstance(name, str) else None
         if found is None:
-            raise body.error(f"unsupported array dtype {name!r}", field, dtype_at)
+            raise body.error(f"unsupported array dtype {name!r:.80}", field, dtype_at)
         dt = found
+        count = check_shape(shape, dt.itemsize, path=body.source, field=field, offset=shape_at)
         bin_at = body.offset
         tag = body.u8(field)
         if tag == 0xC4:
@@ -437,7 +564,7 @@ class _Parser:
             n = body.be_u32(field)
         else:
             raise body.error("array data is not a msgpack bin", field, bin_at)
-        expected = math.prod(shape) * dt.itemsize
+        expected = count * dt.itemsize
         if n != expected:
             raise body.error(
                 f"array data has {n} bytes, shape {tuple(shape)} of {dt.name} needs {expected}",
@@ -491,64 +618,83 @@ def _fast_array_header(body: Reader) -> tuple[tuple[int, ...], np.dtype[Any], in
     return shape, dt, n
 
 
-def _unchunk(node: Any, r: Reader, field: str) -> Any:
-    """Replace flax's chunked-array dicts with the arrays they hold."""
+def _indexed(node: Any, what: str, fail: Any) -> list[Any]:
+    """The values of a flax ``{'0': a, '1': b, ...}`` map, in index order."""
+    if type(node) is not dict:
+        raise fail(f"'{what}' must be a map keyed '0'..'n-1', found {type(node).__name__}")
+    try:
+        return [node[str(i)] for i in range(len(node))]
+    except KeyError:
+        raise fail(f"'{what}' must be a map keyed '0'..'n-1'") from None
+
+
+def _unchunk_one(node: dict[str, Any], fail: Any) -> Any:
+    """The array a flax chunked-array map holds (every part checked before numpy sees it)."""
+    if set(node) != {_CHUNKED, "shape", "chunks"}:
+        raise fail(f"malformed chunked array: keys {sorted(map(str, node))!r:.80}")
+    shape = tuple(_indexed(node["shape"], "shape", fail))
+    chunks = _indexed(node["chunks"], "chunks", fail)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise fail(f"malformed chunked array shape {shape!r:.80}")
+    if not chunks or not all(
+        isinstance(c, np.ndarray | _ArrayHeader) and len(c.shape) == 1 for c in chunks
+    ):
+        raise fail("chunked array chunks must be 1-D arrays")
+    dt = chunks[0].dtype
+    if any(c.dtype != dt for c in chunks):
+        raise fail("chunked array chunks differ in dtype")
+    try:
+        count = check_shape(shape, dt.itemsize)
+    except Exception as exc:  # FormatError without location: relocate it below
+        raise fail(f"chunked array: {getattr(exc, 'reason', exc)}") from None
+    total = sum(c.shape[0] for c in chunks)
+    if total != count:
+        raise fail(f"chunked array holds {total} elements, shape {shape} needs {count}")
+    if isinstance(chunks[0], _ArrayHeader):
+        return _ArrayHeader(shape, dt, total * dt.itemsize)
+    return np.concatenate(chunks).reshape(shape)
+
+
+def _unchunk(node: Any, parser: _Parser, field: str) -> Any:
+    """Replace flax's chunked-array maps with the arrays they hold (top-down, as flax does)."""
     if not isinstance(node, dict):
         return node
     if _CHUNKED in node:
-        try:
-            shape_d, chunks_d = node["shape"], node["chunks"]
-            shape = tuple(shape_d[str(i)] for i in range(len(shape_d)))
-            chunks = [chunks_d[str(i)] for i in range(len(chunks_d))]
-        except (KeyError, TypeError):
-            raise r.error(
-                "malformed chunked array (needs 'shape' and 'chunks' maps keyed 0..n-1)",
-                field,
-                None,
-            ) from None
-        if set(node) != {_CHUNKED, "shape", "chunks"} or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
-            raise r.error("malformed chunked array", field, None)
-        if not chunks or not all(
-            isinstance(c, np.ndarray | _ArrayHeader) and len(c.shape) == 1 for c in chunks
-        ):
-            raise r.error("chunked array chunks must be 1-D arrays", field, None)
-        dt = chunks[0].dtype
-        if any(c.dtype != dt for c in chunks):
-            raise r.error("chunked array chunks differ in dtype", field, None)
-        total = sum(c.shape[0] for c in chunks)
-        if total != math.prod(shape):
-            raise r.error(
-                f"chunked array holds {total} elements, shape {shape} needs {math.prod(shape)}",
-                field,
-                None,
-            )
-        if isinstance(chunks[0], _ArrayHeader):
-            return _ArrayHeader(shape, dt, total * dt.itemsize)
-        return np.concatenate(chunks).reshape(shape)
+        at = parser.chunked.get(id(node))
+
+        def fail(reason: str) -> Any:
+            return parser.r.error(reason, field or "<root>", at)
+
+        return _unchunk_one(node, fail)
     for k, v in node.items():
         if isinstance(v, dict):
-            node[k] = _unchunk(v, r, f"{field}/{k}" if field else str(k))
+            node[k] = _unchunk(v, parser, f"{field}/{k}" if field else str(k))
     return node
 
 
-def _parse(view: Any, *, skip_data: bool, source: str | None = None) -> Any:
+def _parse(
+    view: Any, *, skip_data: bool, summarise: bool = False, source: str | None = None
+) -> Any:
     r = Reader(view, source=source)
     if r.remaining == 0:
         raise r.error("empty file", "msgpack object", 0)
-    tree = _Parser(r, skip_data=skip_data).value(0, "")
+    parser = _Parser(r, skip_data=skip_data, summarise=summarise)
+    tree = parser.value(0, "")
     r.expect_end("end of msgpack object")
-    return _unchunk(tree, r, "")
+    return _unchunk(tree, parser, ""), parser.unlisted
 
 
-def decode(buffer: Any, **options: Any) -> Decoded:
+def decode(buffer: Any) -> Decoded:
     """The state dict in ``buffer`` (arrays are views of it), as ``flax.serialization.msgpack_restore`` gives it."""
-    return Decoded(_parse(buffer, skip_data=False), {})
+    tree, _ = _parse(buffer, skip_data=False)
+    return Decoded(tree, {})
 
 
 def _entries(node: Any, path: tuple[Any, ...], out: list[Entry]) -> None:
-    if isinstance(node, dict):
+    if isinstance(node, _Indexed):
+        for i, v in node.items():
+            _entries(v, (*path, ("[", i)), out)
+    elif isinstance(node, dict):
         for k, v in node.items():
             _entries(v, (*path, k if isinstance(k, str) else str(k)), out)
     elif isinstance(node, list):
@@ -556,31 +702,36 @@ def _entries(node: Any, path: tuple[Any, ...], out: list[Entry]) -> None:
             _entries(v, (*path, ("[", i)), out)
     elif isinstance(node, _ArrayHeader):
         out.append(Entry(key_string(path), node.shape, node.dtype.name, node.nbytes))
-    elif node is not None:
+    elif node is not None and node is not _NOTHING:
         out.append(Entry(key_string(path), (), type(node).__name__, 0))
 
 
 def inspect(source: ByteSource) -> Info:
-    """Entries (array shapes/dtypes; Python scalars with their type name) without reading array data."""
-    tree = _parse(source.view(), skip_data=True, source=source.name)
+    """Entries (array shapes/dtypes; Python scalars with their type name) without reading array data.
+
+    Scalars beyond the listing limits (see the module doc) are counted in
+    ``meta["unlisted_scalars"]`` instead of listed.
+    """
+    tree, unlisted = _parse(source.view(), skip_data=True, summarise=True, source=source.name)
     entries: list[Entry] = []
     _entries(tree, (), entries)
-    return Info(format="msgpack", entries=tuple(entries))
+    meta = {"unlisted_scalars": unlisted} if unlisted else {}
+    return Info(format="msgpack", entries=tuple(entries), meta=meta)
 
 
-def _sniff(probe: Probe) -> bool:
-    """A map whose first key is a string (every flax state dict), or an empty map."""
+def sniff(probe: Probe) -> float:
+    """A weak guess: a map whose first key is a string (every flax state dict), or an empty map."""
     head = probe.head
-    if probe.is_dir or not head:
-        return False
+    if not probe.is_file or not head:
+        return 0.0
     b = head[0]
     if b == 0x80:
-        return probe.size == 1
+        return WEAK if probe.size == 1 else 0.0
     key_at = 1 if 0x81 <= b <= 0x8F else 3 if b == 0xDE else 5 if b == 0xDF else None
     if key_at is None or len(head) <= key_at:
-        return False
+        return 0.0
     k = head[key_at]
-    return 0xA0 <= k <= 0xBF or k in (0xD9, 0xDA, 0xDB)
+    return WEAK if 0xA0 <= k <= 0xBF or k in (0xD9, 0xDA, 0xDB) else 0.0
 
 
 FORMAT = register(
@@ -588,12 +739,12 @@ FORMAT = register(
         name="msgpack",
         description="flax.serialization msgpack state dict (to_bytes / msgpack_restore compatible)",
         suffixes=(".msgpack", ".flax"),
-        layout="file",
+        layout=FILE,
         encode=encode,
         decode=decode,
         inspect=inspect,
-        sniff=_sniff,
-        stores_meta=False,
-        sniff_priority=-10,  # no magic number: every other format is tried first
+        sniff=sniff,
+        accepts_meta=False,
+        keeps_meta=False,
     )
 )

@@ -20,22 +20,52 @@ with or without ``like``.  Files written by other tools load as a flat
 
 Tensors are laid out by decreasing item size so that every tensor starts
 at an offset aligned to its dtype.
+
+The structure document (``pytreeio.tree``), one JSON value per tree node::
+
+    null                                       None
+    {"leaf": name[, "kind": k]}                the tensor ``name``; k = "int", "float",
+                                               "bool" (a Python scalar, 0-d int64 /
+                                               float64 / bool tensor) or "npscalar"
+    {"str": text}                              a string leaf
+    {"dict": [[key, node], ...][, "node": c]}  a dict (str or int keys); c names a
+                                               custom pytree node kept as a dict
+    {"list": [node, ...]}, {"tuple": [...]}    a list, a tuple
+    {"namedtuple": name, "fields": [...], "items": [node, ...]}
+
+Reading is bounded: every JSON document goes through :func:`pytreeio.jsonsafe.loads`
+(depth, value count, NaN, duplicate keys), trees nest at most
+:data:`MAX_TREE_DEPTH` levels, shapes are checked with
+:func:`pytreeio.binary.check_shape`, namedtuple names must be identifiers that
+are not keywords, at most :data:`MAX_NAMEDTUPLE_CLASSES` distinct namedtuple
+classes are created per file, and a scalar's kind must match its tensor's dtype.
 """
 
 from __future__ import annotations
 
 import collections
 import json
-import math
+import keyword
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from .. import dtypes
-from ..binary import ByteSource, Reader, Writer
+from .. import dtypes, jsonsafe
+from ..binary import ByteSource, Reader, Writer, check_shape
 from ..errors import EncodeError, FormatError
-from ..registry import Decoded, Encoded, Entry, Format, Info, Probe, register
+from ..registry import (
+    FILE,
+    MAGIC,
+    STRUCTURE,
+    Decoded,
+    Encoded,
+    Entry,
+    Format,
+    Info,
+    Probe,
+    register,
+)
 from ..tree import (
     component_string,
     is_jax_array,
@@ -44,11 +74,28 @@ from ..tree import (
     node_children,
 )
 
-__all__ = ["FORMAT", "encode", "decode", "inspect", "FORMAT_VERSION", "MAX_HEADER_BYTES"]
+__all__ = [
+    "FORMAT",
+    "encode",
+    "decode",
+    "inspect",
+    "sniff",
+    "FORMAT_VERSION",
+    "MAX_HEADER_BYTES",
+    "MAX_TREE_DEPTH",
+]
 
 FORMAT_VERSION = "1"
 #: The safetensors specification's limit on the JSON header.
 MAX_HEADER_BYTES = 100_000_000
+#: The deepest tree the structure document may describe (each level is up to 3 JSON levels).
+MAX_TREE_DEPTH = 100
+#: Distinct namedtuple classes one file may make ``decode`` create (each costs ~1 KiB).
+MAX_NAMEDTUPLE_CLASSES = 4096
+#: The deepest ``meta`` document (JSON nesting) that is written and read.
+MAX_META_DEPTH = jsonsafe.MAX_DEPTH
+_TREE_JSON_DEPTH = 3 * MAX_TREE_DEPTH + 2
+_HEADER_JSON_DEPTH = 8  # {name: {"shape": [...]}} is 3 deep; __metadata__ values are strings
 _META = "__metadata__"
 _TREE_KEY = "pytreeio.tree"
 _META_KEY = "pytreeio.meta"
@@ -94,7 +141,9 @@ class _Collector:
             node["kind"] = kind
         return node
 
-    def structure(self, x: Any, key: str = "") -> Any:
+    def structure(self, x: Any, key: str = "", depth: int = 0) -> Any:
+        if depth > MAX_TREE_DEPTH:
+            raise EncodeError(f"tree is nested deeper than {MAX_TREE_DEPTH} levels", key_path=key)
         if isinstance(x, np.ndarray) or is_jax_array(x):
             return self.add(key, np.asarray(x), None)
         if x is None:
@@ -120,25 +169,27 @@ class _Collector:
                 key_path=key,
             )
         pairs = kids[0]
+        d = depth + 1
+
+        def sub(k: Any, v: Any) -> Any:
+            return self.structure(v, _child_key(key, k), d)
+
         if isinstance(x, Mapping):
-            return {"dict": [[k, self.structure(v, _child_key(key, k))] for k, v in pairs]}
+            return {"dict": [[k, sub(k, v)] for k, v in pairs]}
         if is_namedtuple(x):
             return {
                 "namedtuple": type(x).__name__,
                 "fields": namedtuple_fields(x),
-                "items": [self.structure(v, _child_key(key, k)) for k, v in pairs],
+                "items": [sub(k, v) for k, v in pairs],
             }
         if isinstance(x, list):
-            return {"list": [self.structure(v, _child_key(key, k)) for k, v in pairs]}
+            return {"list": [sub(k, v) for k, v in pairs]}
         if isinstance(x, tuple):
-            return {"tuple": [self.structure(v, _child_key(key, k)) for k, v in pairs]}
+            return {"tuple": [sub(k, v) for k, v in pairs]}
         # other registered pytree nodes are kept as dicts of their children
         cls = f"{type(x).__module__}.{type(x).__qualname__}"
         return {
-            "dict": [
-                [k if not isinstance(k, tuple) else k[1], self.structure(v, _child_key(key, k))]
-                for k, v in pairs
-            ],
+            "dict": [[k if not isinstance(k, tuple) else k[1], sub(k, v)] for k, v in pairs],
             "node": cls,
         }
 
@@ -162,10 +213,19 @@ def _code_of(dt: np.dtype[Any]) -> str | None:
     return code
 
 
-def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, **options: Any) -> Encoded:
+def _meta_json(meta: Mapping[str, Any]) -> str:
+    """The meta document as written, refused if ``decode`` would refuse it."""
+    try:
+        text = json.dumps(dict(meta), separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise EncodeError(f"meta is not JSON-serialisable: {exc}") from None
+    if jsonsafe.max_depth_of(text.encode("utf-8", "surrogatepass")) > MAX_META_DEPTH:
+        raise EncodeError(f"meta is nested deeper than {MAX_META_DEPTH} levels")
+    return text
+
+
+def encode(tree: Any, *, meta: Mapping[str, Any] | None = None) -> Encoded:
     """The safetensors encoding of any pytree (array buffers referenced, not copied)."""
-    if options:
-        raise TypeError(f"unknown safetensors options: {sorted(options)}")
     col = _Collector()
     structure = col.structure(tree)
     metadata = {
@@ -174,10 +234,7 @@ def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, **options: Any) 
         _TREE_KEY: json.dumps(structure, separators=(",", ":"), allow_nan=False),
     }
     if meta:
-        try:
-            metadata[_META_KEY] = json.dumps(dict(meta), separators=(",", ":"), allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise EncodeError(f"meta is not JSON-serialisable: {exc}") from None
+        metadata[_META_KEY] = _meta_json(meta)
     # Largest items first keeps every tensor aligned to its dtype (the header is 8-aligned).
     order = sorted(range(len(col.tensors)), key=lambda i: -col.tensors[i][1].dtype.itemsize)
     header: dict[str, Any] = {_META: metadata}
@@ -209,25 +266,18 @@ def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, **options: Any) 
 # --------------------------------------------------------------------------
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
 class _Header:
     def __init__(
         self,
         n: int,
         entries: dict[str, tuple[np.dtype[Any], tuple[int, ...], int, int]],
         metadata: dict[str, str],
+        source: str | None,
     ) -> None:
         self.n = n
         self.entries = entries
         self.metadata = metadata
+        self.source = source
 
 
 def _check_header_length(n: int, total: int, r: Reader) -> None:
@@ -243,6 +293,53 @@ def _check_header_length(n: int, total: int, r: Reader) -> None:
         )
 
 
+def _value_budget(total: int) -> int:
+    """JSON values the header may hold: the file pays for them (about 64 bytes each)."""
+    return (total + jsonsafe.DEFAULT_ALLOWANCE) // 64
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _tensor(
+    name: str, spec: Any, r: Reader, data_len: int, n: int
+) -> tuple[np.dtype[Any], tuple[int, ...], int, int]:
+    """One header entry, every field checked (shape before any arithmetic on it)."""
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        raise r.error(f"tensor {name!r:.80}: needs exactly dtype, shape, data_offsets", name, 8)
+    code = spec["dtype"]
+    dt = dtypes.by_name(_CODE_TO_NAME.get(code, "")) if isinstance(code, str) else None
+    if dt is None:
+        raise r.error(f"tensor {name!r:.80}: unsupported dtype {code!r:.40}", name, 8)
+    shape = spec["shape"]
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise r.error(f"tensor {name!r:.80}: bad shape {shape!r:.80}", name, 8)
+    count = check_shape(shape, dt.itemsize, path=r.source, field=name, offset=8)
+    offs = spec["data_offsets"]
+    if (
+        not isinstance(offs, list)
+        or len(offs) != 2
+        or not all(_is_int(o) for o in offs)
+        or not 0 <= offs[0] <= offs[1] <= data_len
+    ):
+        raise r.error(
+            f"tensor {name!r:.80}: data_offsets {offs!r:.80} outside the {data_len}-byte "
+            "data section",
+            name,
+            8,
+        )
+    need = count * dt.itemsize
+    if offs[1] - offs[0] != need:
+        raise r.error(
+            f"tensor {name!r:.80}: {offs[1] - offs[0]} data bytes, shape {tuple(shape)} of "
+            f"{dt.name} needs {need}",
+            name,
+            8 + n + offs[0],
+        )
+    return dt, tuple(shape), offs[0], offs[1]
+
+
 def _read_header(r: Reader, total: int) -> _Header:
     """Parse and validate the header; ``r`` is positioned at offset 0 of the file."""
     n = r.u64("header length")
@@ -250,52 +347,21 @@ def _read_header(r: Reader, total: int) -> _Header:
     raw = r.bytes(n, "header")
     if n == 0 or raw[0] != ord("{"):
         raise r.error("header is not a JSON object", "header", 8)
-    try:
-        doc = json.loads(str(raw, "utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise r.error(f"header is not valid JSON: {exc}", "header", 8) from None
+    doc = jsonsafe.loads(
+        raw,
+        path=r.source,
+        field="header",
+        offset=8,
+        max_depth=_HEADER_JSON_DEPTH,
+        max_values=_value_budget(total),
+    )
     if not isinstance(doc, dict):
         raise r.error("header is not a JSON object", "header", 8)
     metadata = doc.pop(_META, {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise r.error("__metadata__ must map strings to strings", _META, 8)
     data_len = total - 8 - n
-    entries: dict[str, tuple[np.dtype[Any], tuple[int, ...], int, int]] = {}
-    for name, spec in doc.items():
-        if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
-            raise r.error(f"tensor {name!r}: needs exactly dtype, shape, data_offsets", name, 8)
-        dt = (
-            dtypes.by_name(_CODE_TO_NAME.get(spec["dtype"], ""))
-            if isinstance(spec["dtype"], str)
-            else None
-        )
-        if dt is None:
-            raise r.error(f"tensor {name!r}: unsupported dtype {spec['dtype']!r}", name, 8)
-        shape = spec["shape"]
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
-            raise r.error(f"tensor {name!r}: bad shape {shape!r}", name, 8)
-        offs = spec["data_offsets"]
-        if (
-            not isinstance(offs, list)
-            or len(offs) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
-            or not 0 <= offs[0] <= offs[1] <= data_len
-        ):
-            raise r.error(
-                f"tensor {name!r}: data_offsets {offs!r} outside the {data_len}-byte data section",
-                name,
-                8,
-            )
-        need = math.prod(shape) * dt.itemsize
-        if offs[1] - offs[0] != need:
-            raise r.error(
-                f"tensor {name!r}: {offs[1] - offs[0]} data bytes, shape {tuple(shape)} of {dt.name} needs {need}",
-                name,
-                8 + n + offs[0],
-            )
-        entries[name] = (dt, tuple(shape), offs[0], offs[1])
+    entries = {name: _tensor(name, spec, r, data_len, n) for name, spec in doc.items()}
     pos = 0
     for name, (_, _, b, e) in sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
         if b != pos:
@@ -304,81 +370,156 @@ def _read_header(r: Reader, total: int) -> _Header:
                 if b < pos
                 else f"leaves a hole of {b - pos} bytes before it"
             )
-            raise r.error(f"tensor {name!r} {what}", name, 8 + n + b)
+            raise r.error(f"tensor {name!r:.80} {what}", name, 8 + n + b)
         pos = e
     if pos != data_len:
         raise r.error(
             f"{data_len - pos} data bytes are not covered by any tensor", "data", 8 + n + pos
         )
-    return _Header(n, entries, metadata)
+    return _Header(n, entries, metadata, r.source)
 
 
-def _rebuild(node: Any, arrays: dict[str, np.ndarray], used: set[str], r: Reader) -> Any:
-    def bad(why: str) -> FormatError:
-        return r.error(f"{_TREE_KEY}: {why}", _TREE_KEY, 8)
+def _document(header: _Header, key: str, max_depth: int, total: int) -> Any:
+    """A JSON document held in a ``__metadata__`` string (its bytes are escaped in the file)."""
+    return jsonsafe.loads(
+        header.metadata[key],
+        path=header.source,
+        field=key,
+        offset=8,
+        exact=False,
+        max_depth=max_depth,
+        max_values=_value_budget(total),
+    )
 
-    if node is None:
-        return None
-    if not isinstance(node, dict):
-        raise bad(f"unexpected node {node!r:.60}")
-    if "leaf" in node:
+
+def _user_meta(header: _Header, total: int) -> dict[str, Any]:
+    if _META_KEY not in header.metadata:
+        return {}
+    meta = _document(header, _META_KEY, MAX_META_DEPTH, total)
+    if not isinstance(meta, dict):
+        raise FormatError(
+            "pytreeio.meta is not a JSON object", path=header.source, field=_META_KEY, offset=8
+        )
+    return meta
+
+
+# A scalar's kind and the dtype kinds its tensor may have (encode writes int64, float64, bool).
+_KIND_DTYPES = {"int": "iu", "float": "f", "bool": "b"}
+_KIND_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool}
+
+
+class _Rebuilder:
+    """Rebuilds the tree from the structure document; depth-bounded, every node checked."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], r: Reader) -> None:
+        self.arrays = arrays
+        self.used: set[str] = set()
+        self.r = r
+        self.classes: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    def bad(self, why: str) -> FormatError:
+        return self.r.error(f"{_TREE_KEY}: {why}", _TREE_KEY, 8)
+
+    def node(self, node: Any, depth: int = 0) -> Any:
+        if depth > MAX_TREE_DEPTH:
+            raise self.bad(f"tree nested deeper than {MAX_TREE_DEPTH} levels")
+        if node is None:
+            return None
+        if not isinstance(node, dict):
+            raise self.bad(f"unexpected node {node!r:.60}")
+        d = depth + 1
+        if "leaf" in node:
+            return self.leaf(node)
+        if "str" in node and isinstance(node["str"], str):
+            return node["str"]
+        if "dict" in node and isinstance(node["dict"], list):
+            return self.mapping(node["dict"], d)
+        if "list" in node and isinstance(node["list"], list):
+            return [self.node(x, d) for x in node["list"]]
+        if "tuple" in node and isinstance(node["tuple"], list):
+            return tuple(self.node(x, d) for x in node["tuple"])
+        if "namedtuple" in node:
+            return self.namedtuple(node, d)
+        raise self.bad(f"unknown node {sorted(node)!r:.60}")
+
+    def leaf(self, node: dict[str, Any]) -> Any:
         name = node["leaf"]
-        if not isinstance(name, str) or name not in arrays:
-            raise bad(f"refers to a missing tensor {name!r:.60}")
-        if name in used:
-            raise bad(f"uses tensor {name!r} twice")
-        used.add(name)
-        arr = arrays[name]
+        if not isinstance(name, str) or name not in self.arrays:
+            raise self.bad(f"refers to a missing tensor {name!r:.60}")
+        if name in self.used:
+            raise self.bad(f"uses tensor {name!r:.60} twice")
+        self.used.add(name)
+        arr = self.arrays[name]
         kind = node.get("kind")
         if kind is None:
             return arr
         if arr.shape != ():
-            raise bad(f"scalar {name!r} has shape {arr.shape}")
+            raise self.bad(f"scalar {name!r:.60} has shape {arr.shape}")
         if kind == "npscalar":
             return arr[()]
-        if kind in ("int", "float", "bool"):
-            return {"int": int, "float": float, "bool": bool}[kind](arr[()].item())
-        raise bad(f"unknown leaf kind {kind!r}")
-    if "str" in node and isinstance(node["str"], str):
-        return node["str"]
-    if "dict" in node and isinstance(node["dict"], list):
+        if not isinstance(kind, str) or kind not in _KIND_DTYPES:
+            raise self.bad(f"unknown leaf kind {kind!r:.40}")
+        if arr.dtype.kind not in _KIND_DTYPES[kind]:
+            # e.g. an "int" scalar stored as a float64 NaN: int() would raise
+            raise self.bad(f"{kind} scalar {name!r:.60} is stored as {arr.dtype.name}")
+        return _KIND_TYPES[kind](arr[()].item())
+
+    def mapping(self, items: list[Any], depth: int) -> dict[Any, Any]:
         out: dict[Any, Any] = {}
-        for item in node["dict"]:
+        for item in items:
             if (
                 not isinstance(item, list)
                 or len(item) != 2
                 or not isinstance(item[0], str | int)
                 or isinstance(item[0], bool)
             ):
-                raise bad("malformed dict entry")
+                raise self.bad("malformed dict entry")
             if item[0] in out:
-                raise bad(f"duplicate dict key {item[0]!r}")
-            out[item[0]] = _rebuild(item[1], arrays, used, r)
+                raise self.bad(f"duplicate dict key {item[0]!r:.60}")
+            out[item[0]] = self.node(item[1], depth)
         return out
-    if "list" in node and isinstance(node["list"], list):
-        return [_rebuild(x, arrays, used, r) for x in node["list"]]
-    if "tuple" in node and isinstance(node["tuple"], list):
-        return tuple(_rebuild(x, arrays, used, r) for x in node["tuple"])
-    if "namedtuple" in node:
+
+    def namedtuple(self, node: dict[str, Any], depth: int) -> Any:
         name, fields, items = node.get("namedtuple"), node.get("fields"), node.get("items")
         if (
             not isinstance(name, str)
             or not isinstance(fields, list)
             or not isinstance(items, list)
             or len(fields) != len(items)
-            or not all(
-                isinstance(f, str) and f.isidentifier() and not f.startswith("_") for f in fields
-            )
+            or not all(_field_name(f) for f in fields)
             or len(set(fields)) != len(fields)
             or not name.isidentifier()
+            or keyword.iskeyword(name)
         ):
-            raise bad("malformed namedtuple")
-        cls = collections.namedtuple(name, fields)  # type: ignore[misc]
-        return cls(*(_rebuild(x, arrays, used, r) for x in items))
-    raise bad(f"unknown node {sorted(node)!r:.60}")
+            raise self.bad(f"malformed namedtuple {name!r:.60}")
+        cls = self.namedtuple_class(name, tuple(fields))
+        return cls(*(self.node(x, depth) for x in items))
+
+    def namedtuple_class(self, name: str, fields: tuple[str, ...]) -> Any:
+        key = (name, fields)
+        cls: Any = self.classes.get(key)
+        if cls is None:
+            if len(self.classes) >= MAX_NAMEDTUPLE_CLASSES:
+                raise self.bad(f"more than {MAX_NAMEDTUPLE_CLASSES} distinct namedtuple types")
+            try:
+                cls = collections.namedtuple(name, fields)  # type: ignore[misc,no-redef]
+            except (ValueError, TypeError, SyntaxError) as exc:
+                raise self.bad(f"namedtuple {name!r:.60}: {exc}") from None
+            self.classes[key] = cls
+        return cls
 
 
-def decode(buffer: Any, **options: Any) -> Decoded:
+def _field_name(f: Any) -> bool:
+    """What ``collections.namedtuple`` accepts as a field name (without renaming)."""
+    return (
+        isinstance(f, str)
+        and f.isidentifier()
+        and not f.startswith("_")
+        and not keyword.iskeyword(f)
+    )
+
+
+def decode(buffer: Any) -> Decoded:
     """The tree in a safetensors buffer (arrays are views of it)."""
     r = Reader(buffer)
     total = r.remaining
@@ -393,21 +534,13 @@ def decode(buffer: Any, **options: Any) -> Decoded:
         return Decoded(arrays, dict(md))
     if md.get(_VERSION_KEY) != FORMAT_VERSION:
         raise r.error(
-            f"unsupported pytreeio layout version {md.get(_VERSION_KEY)!r}", _VERSION_KEY, 8
+            f"unsupported pytreeio layout version {md.get(_VERSION_KEY)!r:.40}", _VERSION_KEY, 8
         )
-    try:
-        structure = json.loads(md[_TREE_KEY])
-        meta = json.loads(md[_META_KEY]) if _META_KEY in md else {}
-    except ValueError as exc:
-        raise r.error(f"metadata is not valid JSON: {exc}", _TREE_KEY, 8) from None
-    if not isinstance(meta, dict):
-        raise r.error("pytreeio.meta is not a JSON object", _META_KEY, 8)
-    used: set[str] = set()
-    try:
-        tree = _rebuild(structure, arrays, used, r)
-    except RecursionError:
-        raise r.error("tree structure nested too deeply", _TREE_KEY, 8) from None
-    unused = sorted(set(arrays) - used)
+    structure = _document(header, _TREE_KEY, _TREE_JSON_DEPTH, total)
+    meta = _user_meta(header, total)
+    rebuilder = _Rebuilder(arrays, r)
+    tree = rebuilder.node(structure)
+    unused = sorted(set(arrays) - rebuilder.used)
     if unused:
         raise r.error(f"tensors not referenced by the tree structure: {unused[:5]}", _TREE_KEY, 8)
     return Decoded(tree, meta)
@@ -427,20 +560,19 @@ def inspect(source: ByteSource) -> Info:
     md = header.metadata
     if _TREE_KEY not in md:
         return Info(format="safetensors", entries=entries, meta=dict(md))
-    try:
-        meta = json.loads(md[_META_KEY]) if _META_KEY in md else {}
-    except ValueError:
-        raise FormatError(
-            "pytreeio.meta is not valid JSON", path=source.name, field=_META_KEY, offset=8
-        ) from None
-    return Info(format="safetensors", entries=entries, meta=meta if isinstance(meta, dict) else {})
+    return Info(format="safetensors", entries=entries, meta=_user_meta(header, source.size))
 
 
-def _sniff(probe: Probe) -> bool:
-    if probe.is_dir or len(probe.head) < 9:
-        return False
-    n = int.from_bytes(probe.head[:8], "little")
-    return 0 < n <= probe.size - 8 and probe.head[8:9] == b"{"
+def sniff(probe: Probe) -> float:
+    """A plausible header length followed by ``{`` (plus a header key in view: a near-certain match)."""
+    head = probe.head
+    if not probe.is_file or len(head) < 9:
+        return 0.0
+    n = int.from_bytes(head[:8], "little")
+    if not (0 < n <= min(probe.size - 8, MAX_HEADER_BYTES) and head[8:9] == b"{"):
+        return 0.0
+    body = head[8 : 8 + n]
+    return MAGIC if b'"data_offsets"' in body or b'"__metadata__"' in body else STRUCTURE
 
 
 FORMAT = register(
@@ -448,10 +580,10 @@ FORMAT = register(
         name="safetensors",
         description="safetensors file; the pytree structure and meta kept in __metadata__",
         suffixes=(".safetensors",),
-        layout="file",
+        layout=FILE,
         encode=encode,
         decode=decode,
         inspect=inspect,
-        sniff=_sniff,
+        sniff=sniff,
     )
 )

@@ -57,8 +57,19 @@ the same four bytes.
 Strictness beyond the original loader: every truncation (including inside the
 last matrix) is an error at the offset where the file ends, ``d_model %
 n_heads != 0`` is an error, the file size must equal the size computed from the
-header (checked before any tensor is read), and a dropout that is not a finite
-number in [0, 1] is rejected.  Layers are numbered from 0 in messages, as in the
+header (checked arithmetically before any record is looked at), and a dropout
+that is not a finite number in [0, 1] is rejected.
+
+Bounded cost: every record becomes a Python object (an array on ``decode``, an
+``Entry`` on ``inspect``; about 175 and 230 bytes measured), so the header may
+not imply more than ``(file size + 64 MiB) / RECORD_COST`` records
+(:data:`RECORD_COST` = 512, twice what they cost): a 19 MB file claiming
+100,000 layers of ``d_model`` 1 is refused from its header (it would cost
+600 MB), and so is a sparse file claiming billions of layers.  Real models are
+far inside the limit: one layer of ``d_model`` 64 is 130 KB for its 12 records;
+the limit only bites thousands of layers of ``d_model`` below 16.
+
+Layers are numbered from 0 in messages, as in the
 native tree's ``layers`` list.
 
 Arrays must be float32.  Other dtypes are refused on ``encode`` unless the
@@ -77,10 +88,20 @@ import numpy as np
 
 from ..binary import Buffer, ByteSource, Reader, Writer
 from ..errors import EncodeError, FormatError, MismatchError
-from ..registry import Decoded, Encoded, Entry, Format, Info, Probe, register
+from ..registry import FILE, Decoded, Encoded, Entry, Format, Info, Probe, register
+from ..registry import MAGIC as MAGIC_SCORE
 from ..tree import key_string
 
-__all__ = ["CONFIG_FIELDS", "FORMAT", "HEADER_SIZE", "MAGIC", "VERSION", "file_size"]
+__all__ = [
+    "CONFIG_FIELDS",
+    "FORMAT",
+    "HEADER_SIZE",
+    "MAGIC",
+    "VERSION",
+    "RECORD_COST",
+    "file_size",
+    "record_count",
+]
 
 MAGIC = 0x544C4C4D
 MAGIC_BYTES = b"MLLT"
@@ -100,6 +121,11 @@ CONFIG_FIELDS: tuple[str, ...] = (
 )
 _INT_FIELDS = CONFIG_FIELDS[:-1]
 _I32_MAX = 2**31 - 1
+#: Bytes of Python objects one record may cost (an array or an Entry, its dict slot, its name).
+RECORD_COST = 512
+#: Records any file may hold regardless of its size (64 MiB of them).
+_RECORD_ALLOWANCE = 64 * 1024 * 1024
+_RECORDS_PER_LAYER = 12
 
 _LAYER_KEYS = ("wq", "wk", "wv", "wo", "w1", "b1", "w2", "b2", "ln1", "ln2")
 _NORM_KEYS = ("scale", "bias")
@@ -180,6 +206,25 @@ def file_size(config: Mapping[str, Any]) -> int:
     return (
         HEADER_SIZE + (16 + 4 * v * d) + (16 + 4 * s * d) + n_layers * per_layer + (16 + 4 * d * v)
     )
+
+
+def record_count(config: Mapping[str, Any]) -> int:
+    """The number of tensor records a file with this config holds."""
+    return 3 + _RECORDS_PER_LAYER * config["n_layers"]
+
+
+def _check_record_budget(cfg: Mapping[str, Any], size: int, source: str | None) -> None:
+    """Refuse a header implying more records than the file pays for (see the module doc)."""
+    n = record_count(cfg)
+    if n * RECORD_COST > size + _RECORD_ALLOWANCE:
+        raise FormatError(
+            f"n_layers {cfg['n_layers']:,} implies {n:,} tensors; a file of {size:,} bytes may "
+            f"hold at most {(size + _RECORD_ALLOWANCE) // RECORD_COST:,} (each costs about "
+            f"{RECORD_COST} bytes of Python objects to load)",
+            path=source,
+            field="header.n_layers",
+            offset=12,
+        )
 
 
 def _key_string(path: Sequence[str | int]) -> str:
@@ -337,7 +382,6 @@ def decode(
     *,
     expected_config: Mapping[str, Any] | None = None,
     source: str | None = None,
-    **options: Any,
 ) -> Decoded:
     """Parse a weights file into its native tree (zero-copy float32 views of ``buffer``).
 
@@ -347,20 +391,21 @@ def decode(
         the file must have; a differing field is a :class:`MismatchError`.
       source: file name for error messages (the I/O layer fills it otherwise).
     """
-    _check_options(options, "decode", _RESTORE_OPTIONS)
     r = Reader(buffer, source=source)
     cfg = _read_header(r)
     _check_expected(cfg, expected_config)
     size = len(r.view)
     if size != file_size(cfg):
         # Before blaming the size, name the first record whose dims disagree with
-        # the header: that is usually the real cause of a size difference.
+        # the header: that is usually the real cause of a size difference.  Each
+        # record spans at least 12 bytes, so this loop is bounded by the size.
         for rec in _records(cfg):
             if rec.data_offset > size:
                 break
             r.pos = rec.offset
             _read_dims(r, rec)
         raise _size_error(cfg, size, source)
+    _check_record_budget(cfg, size, source)
     tree = _empty_tree(cfg["n_layers"])
     for rec in _records(cfg):
         _read_dims(r, rec)
@@ -375,28 +420,21 @@ def inspect(source: ByteSource) -> Info:
     cfg = _read_header(head)
     if source.size != file_size(cfg):
         raise _size_error(cfg, source.size, source.name)
+    _check_record_budget(cfg, source.size, source.name)
     entries = tuple(
         Entry(_key_string(rec.path), rec.dims, "float32", rec.nbytes) for rec in _records(cfg)
     )
     return Info(format=FORMAT_NAME, entries=entries, meta={"config": cfg}, path=source.name)
 
 
-def sniff(probe: Probe) -> bool:
-    # "TLLM" is claimed too, so that loading a byte-swapped file reaches decode's hint.
-    return not probe.is_dir and probe.head[:4] in (MAGIC_BYTES, _SWAPPED_MAGIC_BYTES)
+def sniff(probe: Probe) -> float:
+    """The magic number (the byte-swapped one too, so that decode's hint is reached)."""
+    if probe.is_file and probe.head[:4] in (MAGIC_BYTES, _SWAPPED_MAGIC_BYTES):
+        return MAGIC_SCORE
+    return 0.0
 
 
 # -- encode ---------------------------------------------------------------------
-
-
-def _check_options(options: Mapping[str, Any], what: str, allowed: frozenset[str]) -> None:
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise TypeError(f"tinyllama {what}: unexpected option(s) {', '.join(unknown)}")
-
-
-# decode and restore receive the same load options; each tolerates the other's.
-_RESTORE_OPTIONS = frozenset({"expected_config"})
 
 
 def _refuse(
@@ -611,7 +649,6 @@ def encode(
     *,
     meta: Mapping[str, Any] | None = None,
     cast: bool = False,
-    **options: Any,
 ) -> Encoded:
     """Serialise a native (or Flax-layout) tree; float32 arrays are referenced, not copied.
 
@@ -621,7 +658,6 @@ def encode(
         other fields are inferred from the shapes and, if given, must agree.
       cast: convert non-float32 floating-point arrays to float32 instead of refusing them.
     """
-    _check_options(options, "encode", frozenset())
     tree = _unwrap_params(tree)
     if not isinstance(tree, Mapping):
         raise _refuse((), "a Tiny Llama tree must be a dict", "dict", type(tree).__name__)
@@ -663,11 +699,10 @@ def encode(
 # -- restore --------------------------------------------------------------------
 
 
-def restore(native: Any, meta: Mapping[str, Any], like: Any, **options: Any) -> Any:
+def restore(native: Any, meta: Mapping[str, Any], like: Any) -> Any:
     """Map the native tree onto ``like``: the native layout or the Flax one, with or
     without a ``{'params': ...}`` wrapper.  Shapes and dtypes are checked by
     :func:`pytreeio.tree.restore`."""
-    _check_options(options, "restore", _RESTORE_OPTIONS)
     from ..tree import restore as restore_tree
 
     inner = like
@@ -680,9 +715,11 @@ def restore(native: Any, meta: Mapping[str, Any], like: Any, **options: Any) -> 
         and "layers" not in inner
         and any(_FLAX_LAYER.fullmatch(str(k)) for k in inner)
     ):
-        source = {k: v for k, v in native.items() if k != "layers"}
-        for i, layer in enumerate(native["layers"]):
-            source[f"layers_{i}"] = layer
+        layers = native.get("layers") if isinstance(native, Mapping) else None
+        if isinstance(layers, list):
+            source = {k: v for k, v in native.items() if k != "layers"}
+            for i, layer in enumerate(layers):
+                source[f"layers_{i}"] = layer
     if wrapped:
         return restore_tree({"params": source}, like)
     return restore_tree(source, like)
@@ -695,13 +732,11 @@ FORMAT = register(
         name=FORMAT_NAME,
         description="Tiny Llama weights.bin (C++): 36-byte MLLT header + f32 records",
         suffixes=(),
-        layout="file",
+        layout=FILE,
         encode=encode,
         decode=decode,
         inspect=inspect,
         sniff=sniff,
         restore=restore,
-        stores_meta=True,
-        load_options=_RESTORE_OPTIONS,
     )
 )

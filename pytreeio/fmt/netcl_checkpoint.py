@@ -1,0 +1,542 @@
+"""netcl training checkpoints and raw parameter files.
+
+``netcl-checkpoint`` - ``netcl.io.checkpoint.save_checkpoint``::
+
+    <p>.npz    (".npz" appended unless <p> ends with it) an np.savez archive of the
+               parameters named p0, p1, ... in model.parameters() order (or given names)
+    <p>.json   (<p> with its last suffix replaced) json.dumps of
+               {"optim_state": {...}, "config": {...}}; AdamW/Adam state
+               {"t": int, "moments": [[m, v], ...]}, SGD {"velocity": [...]},
+               arrays as nested lists of numbers (float32 widened to float64: exact)
+
+  The two files are one linked set: :mod:`pytreeio.io` writes them under one
+  lock and journal, so a reader sees the complete old or the complete new
+  pair.  Native tree: ``{'params': {name: array}, 'optim_state': {...},
+  'config': {...}}``, the moments as arrays (the parameter's dtype when the
+  JSON numbers are exact in it, else float64).  ``t``/``moments`` are optax
+  Adam's ``count``/``mu``,``nu``; ``velocity`` is sgd-momentum's ``trace``
+  (netcl's SGD accumulates ``g + momentum * v`` exactly like optax's trace).
+
+``netcl-params`` - ``save_params``: the bare ``.npz`` at ``<p>`` (or
+``<p>.npz``).  Restoring into a list reports a missing name as
+:class:`NetclMissingParamError` (also a ``KeyError``) and a wrong shape as
+:class:`NetclShapeMismatchError` (a ``ValueError``), with netcl's wording.
+
+Both store parameters only: a Flax tree maps onto ``p0, p1, ...`` through the
+common model form, whose layers are read off the shapes (or given with
+``layers=``); netcl's array orientation is :mod:`pytreeio.fmt.netcl_naming`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import jsonsafe, npy
+from ..binary import ByteSource, as_memoryview
+from ..errors import (
+    ConversionError,
+    EncodeError,
+    FormatError,
+    MismatchError,
+    NetclMissingParamError,
+    NetclShapeMismatchError,
+)
+from ..model import Model
+from ..registry import STRUCTURE, Decoded, Encoded, Entry, Format, Info, Probe, Siblings, register
+from .netcl_naming import META_KEY, check_types, host, read_npz, to_common, to_netcl
+
+__all__ = ["CHECKPOINT", "PARAMS", "NetclMissingParamError", "NetclShapeMismatchError"]
+
+_ADAM_KINDS = ("adam", "adamw")
+
+
+# --------------------------------------------------------------------------
+# parameters p0, p1, ... <-> the common form
+# --------------------------------------------------------------------------
+
+
+def _npz_path(path: Path) -> Path:
+    s = os.fspath(path)
+    return Path(s if s.endswith(".npz") else s + ".npz")
+
+
+def _ordered(params: Mapping[str, Any], names: Sequence[str] | None) -> list[Any]:
+    """The parameter arrays in netcl's order: ``names``, else p0, p1, ..., else file order."""
+    if names is None:
+        default = [f"p{i}" for i in range(len(params))]
+        names = default if set(default) == set(params) else list(params)
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise NetclMissingParamError(
+            f"missing param {missing[0]} in checkpoint", key_path=missing[0]
+        )
+    return [params[n] for n in names]
+
+
+def _param_arrays(model: Model) -> list[np.ndarray]:
+    return [host(to_netcl(a), f"p{j}") for j, (_, _, a) in enumerate(model.params)]
+
+
+def _refuse_stats(model: Model, lossy: bool) -> None:
+    stats = [
+        f"layer {i} ({la.type}).{k}"
+        for i, la in enumerate(model.layers)
+        for k in la.spec.stats
+        if k in la.arrays
+    ]
+    if stats and not lossy:
+        raise ConversionError(
+            "netcl checkpoints hold model.parameters() only, not BatchNorm running statistics "
+            "(save those with the 'netcl' model format): " + ", ".join(stats),
+            what=stats,
+        )
+
+
+def _named_items(params: Any, names: Sequence[str] | None) -> list[tuple[str, np.ndarray]]:
+    if isinstance(params, Mapping):
+        if names is not None:
+            raise MismatchError(
+                "names= applies to a list; a dict already names its arrays", key_path="params"
+            )
+        items = [(str(k), v) for k, v in params.items()]
+    elif isinstance(params, list | tuple):
+        names = [f"p{i}" for i in range(len(params))] if names is None else list(names)
+        if len(names) != len(params):
+            raise MismatchError(
+                f"{len(names)} names for {len(params)} parameters",
+                key_path="names",
+                expected=len(params),
+                found=len(names),
+            )
+        items = list(zip(names, params))
+    else:
+        raise MismatchError(
+            "params must be a dict of named arrays or a list",
+            key_path="params",
+            found=type(params).__name__,
+        )
+    return [(n, host(a, f"params.{n}")) for n, a in items]
+
+
+def _restore_named(
+    arrays: Mapping[str, Any], like: Any, names: Sequence[str] | None, what: str
+) -> Any:
+    """Named arrays into a list ``like`` (netcl's checks and wording) or a dict ``like``."""
+    from ..tree import restore
+
+    prefix = (what,) if what else ()
+    if isinstance(like, Mapping):
+        return restore(dict(arrays), like, path=prefix)
+    if not isinstance(like, list | tuple):
+        raise MismatchError(
+            "like must be a list of arrays, a dict or a Flax tree",
+            key_path=what,
+            found=type(like).__name__,
+        )
+    names = [f"p{i}" for i in range(len(like))] if names is None else list(names)
+    if len(names) != len(like):
+        raise MismatchError(f"{len(names)} names for {len(like)} parameters", key_path="names")
+    values = []
+    for i, (n, lk) in enumerate(zip(names, like)):
+        want = tuple(getattr(lk, "shape", ()))
+        if n not in arrays:
+            raise NetclMissingParamError(
+                f"missing param {n} in checkpoint", key_path=n, expected=want, found="nothing"
+            )
+        got = tuple(arrays[n].shape)
+        if got != want:
+            raise NetclShapeMismatchError(
+                f"shape mismatch for {n}: ckpt {got} vs param {want}",
+                key_path=n,
+                expected=want,
+                found=got,
+            )
+        values.append(restore(arrays[n], lk, path=(*prefix, i)))
+    extra = sorted(set(arrays) - set(names))
+    if extra:
+        raise MismatchError(f"the file has arrays that `like` lacks: {extra[:10]}", key_path=what)
+    return type(like)(values) if isinstance(like, tuple) else values
+
+
+def _npz_entries(source: ByteSource) -> tuple[Entry, ...]:
+    return tuple(Entry(k, h.shape, h.dtype.name, h.nbytes) for k, h, _ in npy.inspect_npz(source))
+
+
+def _plain_npz(probe: Probe | None) -> bool:
+    members = probe.members if probe is not None else None
+    return members is not None and f"{META_KEY}.npy" not in members
+
+
+# --------------------------------------------------------------------------
+# netcl-params
+# --------------------------------------------------------------------------
+
+
+def _params_source(source: Mapping[str, Any]) -> tuple[Any, str]:
+    for role in ("path", "npz"):
+        if role in source:
+            return source[role], role
+    raise FormatError("no parameter .npz", field="npz")
+
+
+def _decode_params(source: Mapping[str, Any], *, verify_crc: bool = True) -> Decoded:
+    data, role = _params_source(source)
+    return Decoded(read_npz(data, role, verify_crc), {})
+
+
+def _encode_params(tree: Any, *, meta: Any = None, names: Sequence[str] | None = None) -> Encoded:
+    items = _named_items(tree, names)
+    return Encoded(files={"npz": Encoded(chunks=tuple(npy.encode_npz(items)))})
+
+
+def _restore_params(
+    native: Any, meta: Mapping[str, Any], like: Any, *, names: Sequence[str] | None = None
+) -> Any:
+    return _restore_named(native, like, names, "")
+
+
+def _params_to_model(
+    native: Any, meta: Mapping[str, Any], *, names: Sequence[str] | None = None, layers: Any = None
+) -> Model:
+    return Model.from_params([to_common(a) for a in _ordered(native, names)], layers)
+
+
+def _params_from_model(
+    model: Model, meta: Mapping[str, Any] | None = None, *, lossy: bool = False
+) -> tuple[Any, dict[str, Any]]:
+    check_types(model)
+    _refuse_stats(model, lossy)
+    if model.opt_state is not None and not lossy:
+        raise ConversionError(
+            "netcl-params holds no optimizer state; use netcl-checkpoint", what=["optimizer state"]
+        )
+    return _param_arrays(model), {}
+
+
+def _inspect_params(source: Mapping[str, ByteSource]) -> Info:
+    return Info("netcl-params", _npz_entries(_params_source(source)[0]), {})
+
+
+def _locate_params(path: Path) -> dict[str, Path]:
+    roles = {"npz": _npz_path(path)}
+    if roles["npz"] != Path(path):
+        roles["path"] = Path(path)
+    return roles
+
+
+def _sniff_params(probe: Probe) -> float:
+    for role in ("path", "npz"):
+        p = probe.siblings.get(role)
+        if p is not None:
+            ok = _plain_npz(p) and all(n.endswith(".npy") for n in p.members or ())
+            return 10.0 if ok else 0.0
+    return 0.0
+
+
+# --------------------------------------------------------------------------
+# netcl-checkpoint
+# --------------------------------------------------------------------------
+
+
+def _check_t(t: Any) -> int:
+    if type(t) is not int or not 0 <= t < 1 << 63:
+        raise FormatError(
+            f"optim_state.t must be an integer in [0, 2**63), found {str(t)[:40]}",
+            field="optim_state.t",
+        )
+    return t
+
+
+def _slot_array(value: Any, like: Any, where: str) -> np.ndarray:
+    """A JSON nested list shaped like ``like``: its dtype when the numbers are exact in it, else float64."""
+    from ..optim import nested_to_array
+
+    if isinstance(value, np.ndarray):
+        return value
+    arr64 = nested_to_array(value, tuple(like.shape), where)
+    dtype = np.dtype(like.dtype)
+    if dtype.kind == "f":
+        with np.errstate(over="ignore", invalid="ignore"):
+            narrow = arr64.astype(dtype)
+        if np.array_equal(narrow.astype(np.float64), arr64, equal_nan=True):
+            return narrow
+    return arr64
+
+
+def _slot_list(values: Any, params: list[Any], field: str) -> list[np.ndarray]:
+    if not isinstance(values, list) or len(values) != len(params):
+        raise FormatError(f"{field} must be a list of {len(params)} entries", field=field)
+    return [_slot_array(v, p, f"{field}[{i}]") for i, (v, p) in enumerate(zip(values, params))]
+
+
+def _decode_optim_state(state: Any, params: list[Any]) -> dict[str, Any]:
+    """netcl's optimizer dict with its moments as arrays shaped like the parameters."""
+    if not isinstance(state, dict):
+        raise FormatError(
+            f"optim_state must be an object, found {type(state).__name__}", field="optim_state"
+        )
+    out = dict(state)
+    if "moments" in state:
+        pairs = state["moments"]
+        if not isinstance(pairs, list) or not all(
+            isinstance(p, list) and len(p) == 2 for p in pairs
+        ):
+            raise FormatError(
+                "optim_state.moments must be a list of [m, v] pairs", field="optim_state.moments"
+            )
+        ms = _slot_list([p[0] for p in pairs], params, "optim_state.moments.m")
+        vs = _slot_list([p[1] for p in pairs], params, "optim_state.moments.v")
+        out["moments"] = [[m, v] for m, v in zip(ms, vs)]
+    if "t" in state:
+        out["t"] = _check_t(state["t"])
+    if "velocity" in state:
+        out["velocity"] = _slot_list(state["velocity"], params, "optim_state.velocity")
+    return out
+
+
+def _opt_state_of(state: Mapping[str, Any]) -> Any:
+    """The format-neutral state of netcl's optimizer dict (slots as stored), None when empty."""
+    from ..optim import OptState
+
+    if not state:
+        return None
+    if "moments" in state:
+        if "t" not in state:
+            raise FormatError("optim_state has moments but no t", field="optim_state.t")
+        slots = {"mu": [m for m, _ in state["moments"]], "nu": [v for _, v in state["moments"]]}
+        return OptState("adamw", {}, _check_t(state["t"]), slots)
+    if "velocity" in state:
+        return OptState("momentum", {}, None, {"trace": list(state["velocity"])})
+    raise FormatError(
+        f"optim_state has neither moments nor velocity: keys {sorted(map(str, state))[:10]}",
+        field="optim_state",
+    )
+
+
+def _netcl_state_of(opt: Any, lossy: bool, *, common: bool = True) -> dict[str, Any]:
+    """netcl's optimizer dict for a format-neutral state; slots in common orientation if ``common``."""
+    if opt is None:
+        return {}
+
+    def netcl_order(name: str) -> list[np.ndarray]:
+        slots = opt.slots[name]
+        return [
+            host(to_netcl(a) if common else a, f"optim_state.{name}[{j}]")
+            for j, a in enumerate(slots)
+        ]
+
+    if opt.kind in _ADAM_KINDS:
+        moments = [[m, v] for m, v in zip(netcl_order("mu"), netcl_order("nu"))]
+        return {"t": int(opt.count or 0), "moments": moments}
+    if opt.kind in ("momentum", "nesterov"):
+        return {"velocity": netcl_order("trace")}
+    if opt.kind == "sgd" or lossy:
+        return {}
+    raise ConversionError(
+        f"netcl checkpoints hold AdamW/Adam or SGD state, not {opt.kind}",
+        what=[f"optimizer state ({opt.kind})"],
+    )
+
+
+def _state_dict(state: Any, params: Any) -> Mapping[str, Any]:
+    """netcl's optimizer dict as given, or made from an optax state over a params list."""
+    from ..optim import extract
+
+    if isinstance(state, Mapping):
+        return state
+    if not isinstance(params, list | tuple):
+        raise MismatchError(
+            "an optax optim_state needs params as a list in netcl's order (or a Flax params "
+            "tree saved as {'params': ..., 'opt_state': ...})",
+            key_path="optim_state",
+            found=type(params).__name__,
+        )
+    return _netcl_state_of(extract(state, list(params)), lossy=False, common=False)
+
+
+def _max_values(nbytes: int) -> int:
+    """The sidecar holds the moments as JSON numbers, each at least two bytes (``0,``)."""
+    return nbytes // 2 + 1024
+
+
+def _decode_checkpoint(source: Mapping[str, Any], *, verify_crc: bool = True) -> Decoded:
+    if "npz" not in source:
+        raise FormatError("no parameter .npz", field="npz")
+    params = read_npz(source["npz"], "npz", verify_crc)
+    doc: Any = {}
+    if "json" in source:
+        raw = as_memoryview(source["json"])
+        doc = jsonsafe.loads(raw, path="json", field="json", max_values=_max_values(len(raw)))
+        if not isinstance(doc, dict):
+            raise FormatError("the sidecar must be a JSON object", path="json", field="json")
+    config = doc.get("config", {})
+    state = _decode_optim_state(doc.get("optim_state", {}), list(params.values()))
+    return Decoded({"params": params, "optim_state": state, "config": config}, {"config": config})
+
+
+def _checkpoint_to_model(
+    native: Any, meta: Mapping[str, Any], *, names: Sequence[str] | None = None, layers: Any = None
+) -> Model:
+    if not isinstance(native, Mapping) or "params" not in native:
+        raise MismatchError(
+            "a netcl checkpoint is {'params': ..., 'optim_state': ..., 'config': ...}", key_path=""
+        )
+    arrays = _ordered(native["params"], names)
+    model = Model.from_params([to_common(a) for a in arrays], layers)
+    state = _decode_optim_state(native.get("optim_state") or {}, arrays)
+    opt = _opt_state_of(state)
+    if opt is not None:
+        slots = {k: [to_common(a) for a in v] for k, v in opt.slots.items()}
+        model = model.replace(opt_state=dataclasses.replace(opt, slots=slots), step=opt.count)
+    return model
+
+
+def _checkpoint_from_model(
+    model: Model, meta: Mapping[str, Any] | None = None, *, lossy: bool = False
+) -> tuple[Any, dict[str, Any]]:
+    check_types(model)
+    _refuse_stats(model, lossy)
+    config = (meta or {}).get("config", {})
+    tree = {
+        "params": {f"p{j}": a for j, a in enumerate(_param_arrays(model))},
+        "optim_state": _netcl_state_of(model.opt_state, lossy),
+        "config": config if isinstance(config, Mapping) else {},
+    }
+    return tree, {}
+
+
+def _encode_checkpoint(
+    tree: Any, *, meta: Any = None, names: Sequence[str] | None = None
+) -> Encoded:
+    from ..optim import json_ready
+
+    if (
+        not isinstance(tree, Mapping)
+        or "params" not in tree
+        or set(tree) - {"params", "optim_state", "config"}
+    ):
+        raise MismatchError(
+            "a netcl checkpoint is {'params': ..., 'optim_state': ..., 'config': ...}", key_path=""
+        )
+    state = _state_dict(tree.get("optim_state") or {}, tree["params"])
+    config = tree.get("config") or {}
+    given = meta.get("config") if isinstance(meta, Mapping) else None
+    if isinstance(given, Mapping) and given:  # meta={"config": ...} as save and convert take it
+        if config and config != given:
+            raise MismatchError(
+                "the tree's config and meta['config'] differ; pass one of them", key_path="config"
+            )
+        config = given
+    try:
+        text = json.dumps({"optim_state": json_ready(state), "config": json_ready(config or {})})
+    except (TypeError, ValueError) as exc:
+        raise EncodeError(
+            f"optim_state/config is not JSON-serialisable: {exc}", key_path=""
+        ) from None
+    npz = Encoded(chunks=tuple(npy.encode_npz(_named_items(tree["params"], names))))
+    return Encoded(files={"npz": npz, "json": Encoded(chunks=(text.encode("utf-8"),))})
+
+
+def _restore_checkpoint(
+    native: Any, meta: Mapping[str, Any], like: Any, *, names: Sequence[str] | None = None
+) -> Any:
+    """A native-shaped ``like``: params as a list or dict; optim_state as netcl's dict or an optax state."""
+    from ..optim import rebuild
+    from ..tree import restore
+
+    if not isinstance(like, Mapping) or set(like) - {"params", "optim_state", "config"}:
+        raise MismatchError(
+            "like must be a dict with 'params' and optionally 'optim_state', 'config'", key_path=""
+        )
+    out: dict[str, Any] = {}
+    if "params" in like:
+        out["params"] = _restore_named(native["params"], like["params"], names, "params")
+    if "optim_state" in like:
+        state_like = like["optim_state"]
+        if isinstance(state_like, Mapping):
+            out["optim_state"] = restore(native["optim_state"], state_like, path=("optim_state",))
+        else:  # an optax state over a params list or dict: parameters in jax leaf order
+            opt = _opt_state_of(native["optim_state"])
+            if opt is None:
+                raise MismatchError(
+                    "the file holds no optimizer state", key_path="optim_state", found="nothing"
+                )
+            out["optim_state"] = rebuild(opt, state_like, like.get("params"))
+    if "config" in like:
+        out["config"] = restore(native["config"], like["config"], path=("config",))
+    return out
+
+
+def _inspect_checkpoint(source: Mapping[str, ByteSource]) -> Info:
+    if "npz" not in source:
+        raise FormatError("no parameter .npz", field="npz")
+    meta: dict[str, Any] = {}
+    if "json" in source:
+        js = source["json"]
+        raw = js.read(0, js.size, "json")
+        doc = jsonsafe.loads(raw, path=js.name, field="json", max_values=_max_values(js.size))
+        if isinstance(doc, dict):
+            meta = {"config": doc.get("config", {})}
+            state = doc.get("optim_state")
+            if isinstance(state, dict):
+                meta["optim_state_keys"] = sorted(str(k) for k in state)
+                if "t" in state:
+                    meta["t"] = state["t"]
+    return Info("netcl-checkpoint", _npz_entries(source["npz"]), meta)
+
+
+def _locate_checkpoint(path: Path) -> dict[str, Path]:
+    return {"npz": _npz_path(path), "json": Path(path).with_suffix(".json")}
+
+
+def _sniff_checkpoint(probe: Probe) -> float:
+    npz, js = probe.siblings.get("npz"), probe.siblings.get("json")
+    if npz is None or js is None:
+        return 0.0
+    if probe.kind == "file" and Path(probe.path) not in (npz.path, js.path):
+        return 0.0  # the path is some other existing file
+    ok = js.head.lstrip().startswith(b'{"optim_state"') and _plain_npz(npz)
+    return STRUCTURE if ok else 0.0
+
+
+CHECKPOINT = register(
+    Format(
+        name="netcl-checkpoint",
+        description="netcl training checkpoint: <p>.npz parameters + <p>.json optim_state/config",
+        suffixes=(),
+        layout=Siblings(_locate_checkpoint, roles=("npz", "json"), linked=("npz", "json")),
+        encode=_encode_checkpoint,
+        decode=_decode_checkpoint,
+        inspect=_inspect_checkpoint,
+        sniff=_sniff_checkpoint,
+        restore=_restore_checkpoint,
+        to_model=_checkpoint_to_model,
+        from_model=_checkpoint_from_model,
+        keeps_meta=False,
+    )
+)
+
+PARAMS = register(
+    Format(
+        name="netcl-params",
+        description="netcl raw parameter .npz (save_params/load_params)",
+        suffixes=(),
+        layout=Siblings(_locate_params, roles=("npz", "path")),
+        encode=_encode_params,
+        decode=_decode_params,
+        inspect=_inspect_params,
+        sniff=_sniff_params,
+        restore=_restore_params,
+        to_model=_params_to_model,
+        from_model=_params_from_model,
+        accepts_meta=False,
+        keeps_meta=False,
+    )
+)

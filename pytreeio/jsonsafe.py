@@ -1,0 +1,255 @@
+"""Bounded JSON parsing for documents read from files: the one place formats parse JSON.
+
+Python's :mod:`json` parses hostile input into ``RecursionError`` (deep nesting),
+``UnicodeDecodeError``, ``ValueError`` without a file offset, ``NaN``/``Infinity``
+values that no JSON writer of ours emits, silently-merged duplicate keys, and
+an unbounded number of Python objects.  :func:`loads` checks all of that and
+raises only :class:`pytreeio.errors.FormatError`, naming the ``field`` and the
+byte ``offset`` in the file.
+
+API::
+
+    loads(data, *, path=None, field=None, offset=0, exact=True,
+          max_depth=MAX_DEPTH, max_values=None,
+          allow_nan=False, allow_duplicates=False) -> Any
+
+* ``data``: ``bytes``/``bytearray``/``memoryview`` (UTF-8, decoded strictly)
+  or ``str``.
+* ``path``, ``field``: the file and the field the document is, for errors.
+* ``offset``: file offset of ``data[0]``.  With ``exact=True`` (the document
+  is a contiguous byte range of the file) errors report ``offset`` plus the
+  byte position of the problem; with ``exact=False`` (e.g. a JSON document
+  held in a JSON string value, whose bytes are escaped in the file) they
+  report ``offset`` itself and give the position within the document in the
+  message.
+* ``max_depth``: the most nested arrays/objects (``[[1]]`` is depth 2).  It is
+  checked on the raw bytes *before* parsing, in time linear in the size
+  (:func:`scan`, vectorised with numpy 1 MiB at a time).
+* ``max_values``: the most values (an upper estimate: commas + opening
+  brackets + 1, outside strings) the document may create; default
+  ``(len(data) + 64 MiB) // 64``, so that parsing costs about the document's
+  size plus 64 MiB.  Formats whose documents legitimately hold many numbers
+  (optimizer moments as JSON lists) pass a larger, justified bound.
+* ``allow_nan``: accept ``NaN``, ``Infinity``, ``-Infinity`` and numbers that
+  overflow a double (``1e999``).  Off by default: strict JSON has none.
+* ``allow_duplicates``: accept repeated object keys (the last wins, as in
+  :mod:`json`).  Off by default: a second value for a key is ambiguous.
+
+Integers longer than Python's 4300-digit conversion limit are a
+:class:`FormatError` too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+from .errors import FormatError
+
+__all__ = ["loads", "scan", "Scan", "max_depth_of", "MAX_DEPTH", "DEFAULT_ALLOWANCE"]
+
+#: Default nesting limit: far above any legitimate document, far below the interpreter's stack.
+MAX_DEPTH = 128
+#: Memory a document may cost beyond its own size (bytes), for the default ``max_values``.
+DEFAULT_ALLOWANCE = 64 * 1024 * 1024
+#: Bytes a parsed value costs at most (an empty dict is 64, a float 24 plus its slot).
+_BYTES_PER_VALUE = 64
+
+# Error path only: finds a NaN/Infinity literal outside strings.
+_CONSTANT = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\Z)|(-?Infinity|NaN)', re.DOTALL)
+_CHUNK = 1 << 20
+_BACKSLASH, _QUOTE, _COMMA = 0x5C, 0x22, 0x2C
+_OPEN = (0x5B, 0x7B)  # [ {
+_CLOSE = (0x5D, 0x7D)  # ] }
+
+
+class _Reject(Exception):
+    """Raised inside the json hooks; turned into a FormatError by :func:`loads`."""
+
+    def __init__(self, reason: str, token: bytes | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.token = token
+
+
+class Scan:
+    """What :func:`scan` found: nesting depth, values, and where the depth limit was crossed."""
+
+    __slots__ = ("depth", "too_deep_at", "values")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.values = 1
+        self.too_deep_at: int | None = None
+
+
+def scan(raw: bytes, max_depth: int | None = None) -> Scan:
+    """Nesting depth and value count of a JSON text, without parsing it.
+
+    Vectorised over 1 MiB chunks: a quote is a string delimiter unless an
+    odd run of backslashes precedes it; brackets and commas count only
+    outside strings.  Stops at the first bracket deeper than ``max_depth``
+    (its byte position is ``too_deep_at``).  Malformed text gives some
+    answer; the parser then reports what is wrong with it.
+    """
+    out = Scan()
+    depth = 0
+    in_string = False  # inside a string at the end of the previous chunk
+    run = 0  # backslashes ending the previous chunk
+    view = memoryview(raw)
+    for start in range(0, len(raw), _CHUNK):
+        a = np.frombuffer(view[start : start + _CHUNK], np.uint8)
+        quote = a == _QUOTE
+        run = _unescape(a, quote, run)
+        # parity of the quotes up to each position: odd = inside a string
+        inside = np.logical_xor.accumulate(quote)
+        if in_string:
+            np.logical_not(inside, out=inside)
+        outside = ~inside
+        opens = ((a == _OPEN[0]) | (a == _OPEN[1])) & outside
+        closes = ((a == _CLOSE[0]) | (a == _CLOSE[1])) & outside
+        out.values += int(np.count_nonzero(opens)) + int(np.count_nonzero((a == _COMMA) & outside))
+        steps = opens.view(np.int8) - closes.view(np.int8)
+        levels = np.cumsum(steps, dtype=np.int32)
+        deepest = depth + int(levels.max())
+        out.depth = max(out.depth, deepest)
+        if max_depth is not None and deepest > max_depth:
+            out.too_deep_at = start + int(np.argmax(levels > max_depth - depth))
+            return out
+        depth += int(levels[-1])
+        in_string = bool(inside[-1])
+    return out
+
+
+def _unescape(a: np.ndarray, quote: np.ndarray, run: int) -> int:
+    """Clear ``quote`` where an odd run of backslashes precedes; return the run ending ``a``."""
+    bs = np.flatnonzero(a == _BACKSLASH)
+    if len(bs) == 0:
+        if run % 2:
+            quote[0] = False
+        return 0
+    breaks = np.flatnonzero(np.diff(bs) != 1)
+    first = bs[np.concatenate(([0], breaks + 1))]
+    last = bs[np.concatenate((breaks, [len(bs) - 1]))]
+    lengths = last - first + 1
+    if first[0] == 0:
+        lengths[0] += run  # the run began in the previous chunk
+    elif run % 2:
+        quote[0] = False
+    after = last[lengths % 2 == 1] + 1
+    quote[after[after < len(a)]] = False
+    return int(lengths[-1]) if last[-1] == len(a) - 1 else 0
+
+
+def max_depth_of(raw: bytes) -> int:
+    """The deepest nesting of arrays/objects in a JSON text (brackets inside strings ignored)."""
+    return scan(raw).depth
+
+
+def _constant_offset(raw: bytes, token: bytes | None) -> int | None:
+    """Position of the first non-finite literal (or ``token``) outside strings (error path only)."""
+    if token is not None:
+        for m in re.finditer(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\Z)|' + re.escape(token), raw):
+            if not m.group().startswith(b'"'):
+                return m.start()
+        return None
+    for m in _CONSTANT.finditer(raw):
+        if m.group(1):
+            return m.start()
+    return None
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Reject(f"number {text[:40]} overflows a double", text.encode())
+    return value
+
+
+def _no_constants(name: str) -> Any:
+    raise _Reject(f"{name} is not a JSON number (NaN and Infinity are not allowed here)")
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _Reject(f"duplicate key {k!r:.80}")
+            seen.add(k)
+    return out
+
+
+def _decoder(allow_nan: bool, allow_duplicates: bool) -> json.JSONDecoder:
+    kwargs: dict[str, Any] = {}
+    if not allow_nan:
+        kwargs["parse_float"] = _finite_float
+        kwargs["parse_constant"] = _no_constants
+    if not allow_duplicates:
+        kwargs["object_pairs_hook"] = _unique
+    return json.JSONDecoder(**kwargs)
+
+
+def loads(
+    data: bytes | bytearray | memoryview | str,
+    *,
+    path: str | None = None,
+    field: str | None = None,
+    offset: int = 0,
+    exact: bool = True,
+    max_depth: int = MAX_DEPTH,
+    max_values: int | None = None,
+    allow_nan: bool = False,
+    allow_duplicates: bool = False,
+) -> Any:
+    """Parse one JSON document, bounded; every problem is a :class:`FormatError` (see the module doc)."""
+
+    def fail(reason: str, pos: int | None = None) -> FormatError:
+        if pos is None:
+            return FormatError(reason, path=path, field=field, offset=offset)
+        if exact:
+            return FormatError(reason, path=path, field=field, offset=offset + pos)
+        return FormatError(
+            f"{reason} (at byte {pos} of the document)", path=path, field=field, offset=offset
+        )
+
+    if isinstance(data, str):
+        text = data
+        try:
+            raw = data.encode("utf-8")
+        except UnicodeEncodeError as exc:  # lone surrogates from a \ud800-style escape upstream
+            raise fail(f"invalid unicode: {exc.reason}", exc.start) from None
+    else:
+        raw = bytes(data)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise fail(f"invalid utf-8: {exc.reason}", exc.start) from None
+
+    if max_values is None:
+        max_values = (len(raw) + DEFAULT_ALLOWANCE) // _BYTES_PER_VALUE
+    found = scan(raw, max_depth)
+    if found.too_deep_at is not None:
+        raise fail(f"nesting deeper than {max_depth} levels", found.too_deep_at)
+    if found.values > max_values:
+        raise fail(
+            f"document holds about {found.values:,} values, more than the limit of {max_values:,}"
+        )
+
+    try:
+        return _decoder(allow_nan, allow_duplicates).decode(text)
+    except json.JSONDecodeError as exc:
+        pos = len(text[: exc.pos].encode("utf-8"))
+        raise fail(f"invalid JSON: {exc.msg}", pos) from None
+    except _Reject as exc:
+        pos = None
+        if "duplicate" not in exc.reason:
+            pos = _constant_offset(raw, exc.token)
+        raise fail(exc.reason, pos) from None
+    except (ValueError, RecursionError, MemoryError) as exc:  # e.g. int beyond 4300 digits
+        raise fail(f"invalid JSON: {type(exc).__name__}: {str(exc)[:120]}") from None

@@ -1,0 +1,635 @@
+"""Bounded reading and deterministic writing of ZIP archives (the container of ``.npz``).
+
+Only what ``.npz`` files need: stored and deflated members, zip64, no
+encryption, one disk.  All integers little-endian (APPNOTE 6.3.x)::
+
+    per member, in order:
+      local header   30 B  b"PK\\x03\\x04", version needed, flags, method (0 stored,
+                           8 deflated), time, date, crc32, compressed size, size,
+                           name length n, extra length e
+                     n B   name (cp437, or utf-8 with flag 0x800)
+                     e B   extra fields: (u16 tag, u16 length, body)...; tag 1 is the
+                           zip64 field: the u64 values of the 32-bit fields set to
+                           0xffffffff, in the order size, compressed size, header offset
+      data               compressed-size bytes
+    central directory, one record per member:
+      46 B  b"PK\\x01\\x02", version made by, system, version needed, flags, method,
+            time, date, crc32, compressed size, size, name length, extra length,
+            comment length, disk start, internal attr, external attr, header offset
+      then name, extra, comment
+    [zip64 end record 56 B b"PK\\x06\\x06" + locator 20 B b"PK\\x06\\x07", when a count
+     or offset overflows its 16/32-bit field]
+    end record 22 B  b"PK\\x05\\x06", disk numbers, entry counts, directory size and
+                     offset, comment length (then the comment, up to 65535 B)
+
+Reading is bounded: every offset and size is checked against the archive
+before anything is read or allocated; members may not overlap each other
+or the central directory (overlapping members are how "zip bombs" reach
+ratios of millions); a deflated member's declared size must be within
+deflate's maximum ratio (:data:`MAX_DEFLATE_RATIO`) of its compressed size
+and within the archive's inflation allowance (the archive's own size plus
+:data:`INFLATE_ALLOWANCE`, across all members), and it is inflated with a
+hard output limit, so a lying size costs nothing.  pytreeio never writes
+compressed members; the allowance only limits foreign ``np.savez_compressed``
+archives, and callers that trust a file may pass a larger ``max_inflated``.
+
+Writing (:func:`encode_stored`) produces what Python's ``zipfile`` writes with
+``force_zip64=True`` and a fixed 1980-01-01 timestamp, as ``np.savez`` does.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .binary import Buffer, ByteSource, Reader, Writer, as_memoryview
+from .errors import EncodeError, FormatError
+
+__all__ = [
+    "ZipMember",
+    "check_member_name",
+    "read_zip_directory",
+    "member_names",
+    "member_data",
+    "member_prefix",
+    "encode_stored",
+    "STORED",
+    "DEFLATED",
+    "MAX_DEFLATE_RATIO",
+    "INFLATE_ALLOWANCE",
+]
+
+#: deflate cannot expand by more than this factor, so a larger declared size is a lie.
+MAX_DEFLATE_RATIO = 1032
+#: Bytes an archive's deflated members may inflate to beyond the archive's own size.
+INFLATE_ALLOWANCE = 64 * 1024 * 1024
+#: How much central directory :func:`member_names` reads at most (sniffing must stay cheap).
+MAX_NAMES_BYTES = 16 * 1024 * 1024
+
+STORED = 0
+DEFLATED = 8
+
+_LOCAL = struct.Struct("<4s2B4HL2L2H")  # 30 bytes
+_CENTRAL = struct.Struct("<4s4B4HL2L5H2L")  # 46 bytes
+_END = struct.Struct("<4s4H2LH")  # 22 bytes
+_END64 = struct.Struct("<4sQ2H2L4Q")  # 56 bytes
+_END64_LOC = struct.Struct("<4sLQL")  # 20 bytes
+_EXTRA_HEAD = struct.Struct("<HH")
+_ZIP64_LOCAL_EXTRA = struct.Struct("<HHQQ")
+
+_SIG_LOCAL = b"PK\x03\x04"
+_SIG_CENTRAL = b"PK\x01\x02"
+_SIG_END = b"PK\x05\x06"
+_SIG_END64 = b"PK\x06\x06"
+_SIG_END64_LOC = b"PK\x06\x07"
+_ZIP64_LIMIT = (1 << 31) - 1  # Python's zipfile switches to zip64 fields past this
+_ZIP_FILECOUNT_LIMIT = (1 << 16) - 1
+_ZIP64_VERSION = 45
+_FLAG_ENCRYPTED = 0x1
+_FLAG_UTF8 = 0x800
+_EXTERNAL_ATTR = 0o600 << 16
+_DOSDATE_1980 = (0 << 9) | (1 << 5) | 1
+_MAX_COMMENT = 0xFFFF
+_INFLATE_STEP = 1 << 16  # compressed bytes fed to zlib at a time when only a prefix is wanted
+_DRIVE = re.compile(r"^[A-Za-z]:[\\/]")
+
+
+def _error(source: ByteSource, reason: str, field: str, offset: int | None) -> FormatError:
+    return FormatError(reason, path=source.name, field=field, offset=offset)
+
+
+def check_member_name(name: str, *, source: str | None = None, offset: int | None = None) -> None:
+    """Refuse archive member names that could address anything outside the archive."""
+    bad = (
+        not name
+        or "\x00" in name
+        or "\\" in name
+        or name.startswith("/")
+        or _DRIVE.match(name) is not None
+        or any(part in ("..", ".") for part in name.split("/"))
+    )
+    if bad:
+        raise FormatError(
+            f"unsafe member name {name!r}", path=source, field="zip.name", offset=offset
+        )
+
+
+@dataclass(frozen=True)
+class ZipMember:
+    """One member of a ZIP archive, from its central record and local header."""
+
+    name: str
+    method: int
+    crc: int
+    compressed_size: int
+    size: int
+    header_offset: int
+    data_offset: int
+
+    @property
+    def end(self) -> int:
+        """Offset just past the member's data."""
+        return self.data_offset + self.compressed_size
+
+
+# --------------------------------------------------------------------------
+# end records
+# --------------------------------------------------------------------------
+
+
+class _Directory:
+    """Where the central directory is, from the end records."""
+
+    __slots__ = ("count", "end_at", "offset", "size")
+
+    def __init__(self, count: int, offset: int, size: int, end_at: int) -> None:
+        self.count = count
+        self.offset = offset
+        self.size = size
+        self.end_at = end_at  # the directory must end here (end record or zip64 record)
+
+
+def _find_end(source: ByteSource) -> tuple[int, tuple[Any, ...]]:
+    size = source.size
+    if size < _END.size:
+        raise _error(source, f"truncated: {size} bytes cannot hold a ZIP end record", "zip.end", 0)
+    # The common case (no archive comment) costs one 22-byte read.
+    last = bytes(source.read(size - _END.size, _END.size, "zip.end"))
+    if last[:4] == _SIG_END:
+        rec = Reader(last, source=source.name, start=size - _END.size).struct(_END, "zip.end")
+        if rec[7] == 0:
+            return size - _END.size, rec
+    tail_len = min(size, _END.size + _MAX_COMMENT)
+    tail_at = size - tail_len
+    tail = bytes(source.read(tail_at, tail_len, "zip.end"))
+    pos = tail.rfind(_SIG_END)
+    while pos >= 0:
+        if pos + _END.size <= len(tail):
+            rec = Reader(
+                tail[pos : pos + _END.size], source=source.name, start=tail_at + pos
+            ).struct(_END, "zip.end")
+            if pos + _END.size + rec[7] == len(tail):
+                return tail_at + pos, rec
+        pos = tail.rfind(_SIG_END, 0, pos)
+    raise _error(
+        source, "no ZIP end-of-central-directory record (not a ZIP, or truncated)", "zip.end", size
+    )
+
+
+def _zip64_end(source: ByteSource, end_at: int) -> _Directory | None:
+    """The directory as the zip64 end record gives it, if the archive has one."""
+    loc_at = end_at - _END64_LOC.size
+    if loc_at < 0:
+        return None
+    r = source.reader(loc_at, _END64_LOC.size, "zip64.locator")
+    sig, disk, rec_at, disks = r.struct(_END64_LOC, "zip64.locator")
+    if sig != _SIG_END64_LOC:
+        return None
+    if disk != 0 or disks != 1:
+        raise _error(source, "multi-disk archives are not supported", "zip64.locator", loc_at)
+    if rec_at + _END64.size > loc_at:
+        raise _error(
+            source,
+            f"zip64 end record offset {rec_at} lies past its locator",
+            "zip64.locator",
+            loc_at + 8,
+        )
+    r = source.reader(rec_at, _END64.size, "zip64.end")
+    sig, _rec_size, _made, _need, disk, cd_disk, n_disk, n_total, cd_size, cd_offset = r.struct(
+        _END64, "zip64.end"
+    )
+    if sig != _SIG_END64:
+        raise _error(source, "bad zip64 end record signature", "zip64.end", rec_at)
+    if disk != 0 or cd_disk != 0 or n_disk != n_total:
+        raise _error(source, "multi-disk archives are not supported", "zip64.end", rec_at)
+    return _Directory(n_total, cd_offset, cd_size, rec_at)
+
+
+def _directory(source: ByteSource) -> _Directory:
+    """Locate and sanity-check the central directory (reads only the end records)."""
+    end_at, end = _find_end(source)
+    _sig, disk, cd_disk, n_disk, n_total, cd_size, cd_offset, _clen = end
+    found = _zip64_end(source, end_at)
+    if found is None:
+        if disk != 0 or cd_disk != 0 or n_disk != n_total:
+            raise _error(source, "multi-disk archives are not supported", "zip.end", end_at)
+        found = _Directory(n_total, cd_offset, cd_size, end_at)
+    if found.offset + found.size != found.end_at:
+        raise _error(
+            source,
+            f"central directory [{found.offset}, +{found.size}) does not end at the end record "
+            f"({found.end_at})",
+            "zip.end.cd_offset",
+            end_at,
+        )
+    if found.count * _CENTRAL.size > found.size:
+        raise _error(
+            source,
+            f"{found.count} entries cannot fit in a {found.size}-byte central directory",
+            "zip.end.count",
+            end_at,
+        )
+    return found
+
+
+# --------------------------------------------------------------------------
+# central directory
+# --------------------------------------------------------------------------
+
+
+class _Central:
+    """One central-directory record, decoded."""
+
+    __slots__ = ("at", "disk", "extra", "flags", "index", "method", "name", "raw_name", "values")
+
+    def __init__(self, index: int, at: int) -> None:
+        self.index = index
+        self.at = at
+        self.flags = 0
+        self.method = 0
+        self.disk = 0
+        self.raw_name = b""
+        self.name = ""
+        self.extra: memoryview = memoryview(b"")
+        self.values: dict[str, int] = {}
+
+    @property
+    def field(self) -> str:
+        return f"zip.central[{self.index}]"
+
+
+def _central_records(source: ByteSource, d: _Directory) -> Iterator[_Central]:
+    """Each central record in order, with names decoded and zip64 fields filled in."""
+    r = source.reader(d.offset, d.size, "zip.central")
+    for i in range(d.count):
+        rec = _Central(i, r.offset)
+        field = rec.field
+        (sig, _made, _system, _need, _res, flags, method, _time, _date, crc, csize, usize,
+         nlen, elen, clen, disk_start, _iattr, _eattr, hoff) = r.struct(_CENTRAL, field)  # fmt: skip
+        if sig != _SIG_CENTRAL:
+            raise r.error("bad central directory signature", field, rec.at)
+        rec.raw_name = bytes(r.bytes(nlen, f"{field}.name"))
+        rec.extra = r.bytes(elen, f"{field}.extra")
+        r.skip(clen, f"{field}.comment")
+        rec.flags, rec.method, rec.disk = flags, method, disk_start
+        rec.name = _decode_name(rec.raw_name, flags, r, f"{field}.name", rec.at + _CENTRAL.size)
+        rec.values = {"crc": crc, "size": usize, "compressed_size": csize, "header_offset": hoff}
+        need = [
+            k for k in ("size", "compressed_size", "header_offset") if rec.values[k] == 0xFFFFFFFF
+        ]
+        if disk_start == 0xFFFF:
+            need.append("disk")
+        if need:
+            _zip64_extra(rec.extra, need, rec.values, r, rec.at + _CENTRAL.size + nlen)
+        yield rec
+    if r.remaining:
+        raise r.error(
+            f"{r.remaining} unexpected bytes after {d.count} central records", "zip.central"
+        )
+
+
+def _zip64_extra(
+    extra: memoryview, need: list[str], values: dict[str, int], r: Reader, at: int
+) -> None:
+    """Fill the 0xffffffff fields ``need`` (in APPNOTE order) from a zip64 extra field."""
+    er = Reader(extra, source=r.source, start=at)
+    while er.remaining >= _EXTRA_HEAD.size:
+        tag, n = er.struct(_EXTRA_HEAD, "zip.extra")
+        body = er.bytes(n, "zip.extra")
+        if tag != 1:
+            continue
+        br = Reader(body, source=r.source, start=er.offset - n)
+        for key in need:
+            values[key] = br.u64(f"zip64.{key}")
+        return
+    raise r.error(f"zip64 extra field missing for {', '.join(need)}", "zip.extra", at)
+
+
+def _decode_name(raw: bytes, flags: int, r: Reader, field: str, at: int) -> str:
+    try:
+        return raw.decode("utf-8" if flags & _FLAG_UTF8 else "cp437")
+    except UnicodeDecodeError as exc:
+        raise r.error(
+            f"member name is not valid utf-8: {exc.reason}", field, at + exc.start
+        ) from None
+
+
+def member_names(source: ByteSource, *, max_bytes: int = MAX_NAMES_BYTES) -> tuple[str, ...]:
+    """The member names of the ZIP archive in ``source``, in central-directory order.
+
+    For sniffing: reads only the end records and the central directory (at
+    most ``max_bytes`` of it; a larger one is a :class:`FormatError`), never
+    a local header or any member data.  Names are returned as stored
+    (unsafe ones included); :func:`read_zip_directory` validates them.
+    """
+    d = _directory(source)
+    if d.size > max_bytes:
+        raise _error(
+            source,
+            f"central directory of {d.size:,} bytes exceeds the {max_bytes:,} read for names",
+            "zip.central",
+            d.offset,
+        )
+    return tuple(rec.name for rec in _central_records(source, d))
+
+
+def read_zip_directory(source: ByteSource) -> list[ZipMember]:
+    """The members of the ZIP archive in ``source``, validated, in central-directory order.
+
+    Reads only the end records, the central directory and each local header.
+    Names are checked with :func:`check_member_name` and for duplicates;
+    each member's local header and data must lie before the central
+    directory, and no two members may overlap.
+    """
+    d = _directory(source)
+    members: list[ZipMember] = []
+    seen: set[str] = set()
+    for rec in _central_records(source, d):
+        name_at = rec.at + _CENTRAL.size
+        check_member_name(rec.name, source=source.name, offset=name_at)
+        if rec.name in seen:
+            raise _error(source, f"duplicate member {rec.name!r}", f"{rec.field}.name", name_at)
+        seen.add(rec.name)
+        if rec.flags & _FLAG_ENCRYPTED:
+            raise _error(
+                source, f"member {rec.name!r} is encrypted", f"{rec.field}.flags", rec.at + 8
+            )
+        if rec.method not in (STORED, DEFLATED):
+            raise _error(
+                source,
+                f"member {rec.name!r} uses unsupported compression method {rec.method}",
+                f"{rec.field}.method",
+                rec.at + 10,
+            )
+        members.append(_local(source, rec, d.offset))
+    _check_no_overlap(source, members)
+    return members
+
+
+def _check_no_overlap(source: ByteSource, members: Sequence[ZipMember]) -> None:
+    """Refuse members whose [local header, end of data) ranges overlap (zip-bomb layouts)."""
+    end = 0
+    previous = None
+    for m in sorted(members, key=lambda m: m.header_offset):
+        if m.header_offset < end:
+            raise _error(
+                source,
+                f"member {m.name!r} at {m.header_offset} overlaps member {previous!r} "
+                f"(which ends at {end})",
+                f"zip.local[{m.name}]",
+                m.header_offset,
+            )
+        end = m.end
+        previous = m.name
+
+
+def _local(source: ByteSource, rec: _Central, cd_offset: int) -> ZipMember:
+    """Check ``rec``'s local header and return the member with its data offset."""
+    name, values = rec.name, rec.values
+    hoff = values["header_offset"]
+    field = f"zip.local[{name}]"
+    if hoff + _LOCAL.size > cd_offset:
+        raise _error(
+            source,
+            f"local header offset {hoff} of {name!r} lies past the central directory ({cd_offset})",
+            f"{rec.field}.offset",
+            hoff,
+        )
+    r = source.reader(hoff, _LOCAL.size, field)
+    sig, _need, _res, _flags, lmethod, _t, _d, _crc, _cs, _us, nlen, elen = r.struct(_LOCAL, field)
+    if sig != _SIG_LOCAL:
+        raise r.error(f"bad local header signature for {name!r}", field, hoff)
+    if lmethod != rec.method:
+        raise r.error(
+            f"local header of {name!r} says method {lmethod}, central directory {rec.method}",
+            field,
+            hoff + 8,
+        )
+    name_at = hoff + _LOCAL.size
+    if name_at + nlen > cd_offset:
+        raise _error(
+            source, f"local header of {name!r} runs past the central directory", field, hoff
+        )
+    if bytes(source.read(name_at, nlen, f"{field}.name")) != rec.raw_name:
+        raise _error(
+            source,
+            f"local header name differs from the central directory's {name!r}",
+            f"{field}.name",
+            name_at,
+        )
+    data_at = name_at + nlen + elen
+    csize, size = values["compressed_size"], values["size"]
+    if data_at + csize > cd_offset:
+        raise _error(
+            source,
+            f"member {name!r} data [{data_at}, +{csize}) runs past the central directory at "
+            f"{cd_offset}",
+            f"{field}.data",
+            data_at,
+        )
+    if rec.method == STORED and csize != size:
+        raise _error(
+            source,
+            f"stored member {name!r} has compressed size {csize} != size {size}",
+            f"{rec.field}.size",
+            hoff,
+        )
+    if rec.method == DEFLATED and size > max(csize, 1) * MAX_DEFLATE_RATIO:
+        raise _error(
+            source,
+            f"member {name!r} claims {size} bytes from {csize} deflated bytes (impossible ratio)",
+            f"{rec.field}.size",
+            hoff,
+        )
+    return ZipMember(name, rec.method, values["crc"], csize, size, hoff, data_at)
+
+
+# --------------------------------------------------------------------------
+# member data
+# --------------------------------------------------------------------------
+
+
+def default_max_inflated(source: ByteSource) -> int:
+    """The inflation allowance of an archive: its own size plus :data:`INFLATE_ALLOWANCE`."""
+    return source.size + INFLATE_ALLOWANCE
+
+
+def member_data(
+    source: ByteSource, m: ZipMember, *, verify_crc: bool = True, max_inflated: int | None = None
+) -> memoryview:
+    """A member's uncompressed bytes: a view of the source for stored members.
+
+    A deflated member is inflated with a hard output limit of its declared
+    size, which may not exceed ``max_inflated`` (default: the archive's size
+    plus :data:`INFLATE_ALLOWANCE`); callers reading several members pass
+    what is left of that allowance.
+    """
+    raw = source.read(m.data_offset, m.compressed_size, f"zip.member[{m.name}]")
+    if m.method == DEFLATED:
+        limit = default_max_inflated(source) if max_inflated is None else max_inflated
+        if m.size > limit:
+            raise _error(
+                source,
+                f"member {m.name!r} inflates to {m.size:,} bytes, beyond the {limit:,} this archive "
+                f"may inflate to ({INFLATE_ALLOWANCE:,} bytes more than its size; pytreeio writes "
+                "stored members)",
+                f"zip.member[{m.name}]",
+                m.header_offset,
+            )
+        data = _inflate(source, m, raw)
+    else:
+        data = raw
+    if verify_crc and zlib.crc32(data) != m.crc:
+        raise _error(
+            source,
+            f"CRC-32 mismatch in member {m.name!r} (file corrupted)",
+            f"zip.member[{m.name}]",
+            m.data_offset,
+        )
+    return data
+
+
+def _inflate(source: ByteSource, m: ZipMember, raw: memoryview) -> memoryview:
+    """Inflate a whole member; exactly its declared size, never more."""
+    d = zlib.decompressobj(-15)
+    try:
+        out = d.decompress(raw, m.size + 1)  # +1: a longer stream is detected, not allocated
+    except zlib.error as exc:
+        raise _error(
+            source,
+            f"corrupt deflate stream in {m.name!r}: {exc}",
+            f"zip.member[{m.name}]",
+            m.data_offset,
+        ) from None
+    if len(out) != m.size or not d.eof:
+        what = "more" if len(out) > m.size else "fewer"
+        raise _error(
+            source,
+            f"member {m.name!r} inflates to {what} than its declared {m.size} bytes",
+            f"zip.member[{m.name}]",
+            m.data_offset,
+        )
+    return memoryview(out)
+
+
+def member_prefix(source: ByteSource, m: ZipMember, n: int) -> memoryview:
+    """Up to the first ``n`` uncompressed bytes of a member (no CRC check).
+
+    Stored members are read directly; deflated ones are inflated from
+    64 KiB pieces of compressed data until ``n`` bytes come out, so a
+    header costs about its own size whatever the member's.
+    """
+    want = min(n, m.size)
+    if m.method == STORED:
+        return source.read(m.data_offset, want, f"zip.member[{m.name}]")
+    d = zlib.decompressobj(-15)
+    out = bytearray()
+    pos = m.data_offset
+    end = m.data_offset + m.compressed_size
+    tail: bytes | memoryview = b""
+    try:
+        while len(out) < want and not d.eof:
+            if not tail:
+                if pos >= end:
+                    break
+                tail = source.read(pos, min(_INFLATE_STEP, end - pos), f"zip.member[{m.name}]")
+                pos += len(tail)
+            out += d.decompress(tail, want - len(out))
+            tail = d.unconsumed_tail
+    except zlib.error as exc:
+        raise _error(
+            source,
+            f"corrupt deflate stream in {m.name!r}: {exc}",
+            f"zip.member[{m.name}]",
+            m.data_offset,
+        ) from None
+    return memoryview(bytes(out))
+
+
+# --------------------------------------------------------------------------
+# writing
+# --------------------------------------------------------------------------
+
+
+def _encode_name(name: str) -> tuple[bytes, int]:
+    try:
+        return name.encode("ascii"), 0
+    except UnicodeEncodeError:
+        return name.encode("utf-8"), _FLAG_UTF8
+
+
+def encode_stored(members: Iterable[tuple[str, Sequence[Buffer]]]) -> list[Buffer]:
+    """A ZIP archive of stored members ``(name, chunks)``, as chunks (data referenced, not copied).
+
+    Byte-identical to Python's ``zipfile`` writing each member with
+    ``force_zip64=True`` and a 1980-01-01 timestamp on a seekable file (what
+    ``np.savez`` produces).  Names are checked with :func:`check_member_name`
+    and for duplicates (:class:`EncodeError` naming the member).
+    """
+    w = Writer()
+    central: list[tuple[bytes, int, int, int, int]] = []
+    seen: set[str] = set()
+    for name, chunks in members:
+        try:
+            check_member_name(name)
+        except FormatError as exc:
+            raise EncodeError(exc.reason, key_path=name) from None
+        if name in seen:
+            raise EncodeError(f"duplicate member name {name!r}", key_path=name)
+        seen.add(name)
+        size = sum(len(as_memoryview(c)) for c in chunks)
+        crc = 0
+        for c in chunks:
+            crc = zlib.crc32(c, crc)
+        raw_name, flags = _encode_name(name)
+        offset = w.nbytes
+        w.struct(
+            _LOCAL, _SIG_LOCAL, _ZIP64_VERSION, 0, flags, STORED, 0, _DOSDATE_1980, crc,
+            0xFFFFFFFF, 0xFFFFFFFF, len(raw_name), _ZIP64_LOCAL_EXTRA.size,
+        )  # fmt: skip
+        w.raw(raw_name)
+        w.struct(_ZIP64_LOCAL_EXTRA, 1, 16, size, size)
+        for c in chunks:
+            w.raw(c)
+        central.append((raw_name, flags, crc, size, offset))
+    _write_central(w, central)
+    return w.finish()
+
+
+def _write_central(w: Writer, central: list[tuple[bytes, int, int, int, int]]) -> None:
+    cd_offset = w.nbytes
+    for raw_name, flags, crc, size, offset in central:
+        extra: list[int] = []
+        fsize = csize = size
+        if size > _ZIP64_LIMIT:
+            extra += [size, size]
+            fsize = csize = 0xFFFFFFFF
+        hoff = offset
+        if offset > _ZIP64_LIMIT:
+            extra.append(offset)
+            hoff = 0xFFFFFFFF
+        extra_len = _EXTRA_HEAD.size + 8 * len(extra) if extra else 0
+        w.struct(
+            _CENTRAL, _SIG_CENTRAL, _ZIP64_VERSION, 3, _ZIP64_VERSION, 0, flags, STORED, 0,
+            _DOSDATE_1980, crc, csize, fsize, len(raw_name), extra_len, 0, 0, 0,
+            _EXTERNAL_ATTR, hoff,
+        )  # fmt: skip
+        w.raw(raw_name)
+        if extra:  # zip64 extended information: tag 1, then the 64-bit values
+            w.struct(_EXTRA_HEAD, 1, 8 * len(extra))
+            for value in extra:
+                w.u64(value)
+    end_of_cd = w.nbytes
+    count = len(central)
+    cd_size = end_of_cd - cd_offset
+    if count > _ZIP_FILECOUNT_LIMIT or cd_offset > _ZIP64_LIMIT or cd_size > _ZIP64_LIMIT:
+        w.struct(_END64, _SIG_END64, 44, 45, 45, 0, 0, count, count, cd_size, cd_offset)
+        w.struct(_END64_LOC, _SIG_END64_LOC, 0, end_of_cd, 1)
+        count = min(count, 0xFFFF)
+        cd_size = min(cd_size, 0xFFFFFFFF)
+        cd_offset = min(cd_offset, 0xFFFFFFFF)
+    w.struct(_END, _SIG_END, 0, 0, count, count, cd_size, cd_offset, 0)

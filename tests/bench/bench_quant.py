@@ -1,0 +1,120 @@
+"""Throughput of pytreeio's jit quantisation against memcpy and a numpy float64 implementation.
+
+Run with ``python tests/bench/bench_quant.py [--elements N] [--repeats R]``.
+Not a test.  Cases are interleaved round-robin in one run and the best time of
+each is reported as GB/s of float32 input and as ratios to the baselines of
+the same run (absolute numbers drift on shared machines; ratios mean more):
+
+* ``memcpy``: ``np.copyto`` of the float32 input into a preallocated buffer
+  (host), ``x.copy()`` (host, into fresh pages, as every new array is), and a
+  jit-compiled copy of a device-resident array (device);
+* ``numpy``: float64 scale, trunc or round half away from zero, range check,
+  cast (and ``.T`` copy), as a straightforward numpy implementation does it;
+* ``pytreeio``: :func:`pytreeio.quant.quantise` from a numpy array to a numpy
+  array (transfers included), and the same kernels on a device-resident array
+  (on CPU the transpose is a second call; see ``quant._fuses_transposes``).
+
+Every case quantises to i16 at scale 255 with rounding, from values that fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from pytreeio import quant
+
+
+def numpy_quantise(x: np.ndarray, scale: int, transpose: bool) -> np.ndarray:
+    v = x.astype(np.float64) * scale
+    t = np.trunc(v)
+    t += np.where(np.abs(v - t) >= 0.5, np.sign(v), 0.0)
+    if not (np.all(t >= -32768) and np.all(t <= 32767)):
+        raise OverflowError("does not fit")
+    q = t.astype(np.int16)
+    return np.ascontiguousarray(q.T) if transpose else q
+
+
+def best_of(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """The fastest time of each function, the functions run round-robin."""
+    best = dict.fromkeys(fns, float("inf"))
+    for fn in fns.values():  # warm up: compile, fault pages in
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--elements", type=int, default=1 << 24, help="float32 elements (default 16M)"
+    )
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+
+    rows = 1 << 12
+    cols = max(1, args.elements // rows)
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-100.0, 100.0, (rows, cols)).astype(np.float32)
+    nbytes = x.nbytes
+    copy_dst = np.empty_like(x)
+    x_dev = jax.device_put(x)
+    dev_copy = jax.jit(lambda a: a.copy())
+    fused = quant._fuses_transposes()
+    scale64 = np.float64(255)
+
+    def on_device(transpose: bool) -> Callable[[], Any]:
+        """What quantise runs, on a device-resident array, without the transfers."""
+        kernel = quant._quantise_kernel("i16", True, transpose and fused)
+
+        def run() -> Any:
+            with jax.enable_x64(True):
+                q, ok = kernel(x_dev, scale64)
+            if transpose and not fused:
+                q = quant.transpose_to_device(q, (1, 0))
+            return jax.block_until_ready((q, ok))
+
+        return run
+
+    cases: dict[str, Callable[[], Any]] = {
+        "memcpy (host)": lambda: np.copyto(copy_dst, x),
+        "np.copy (fresh buffer)": lambda: x.copy(),
+        "copy (device)": lambda: dev_copy(x_dev).block_until_ready(),
+        "numpy": lambda: numpy_quantise(x, 255, False),
+        "numpy + transpose": lambda: numpy_quantise(x, 255, True),
+        "pytreeio": lambda: quant.quantise(x, 255, "i16", round=True),
+        "pytreeio + transpose": lambda: quant.quantise(x, 255, "i16", round=True, transpose=True),
+        "kernel (device)": on_device(False),
+        "kernel + transpose (device)": on_device(True),
+    }
+    # the implementations agree before anything is timed
+    assert np.array_equal(
+        numpy_quantise(x, 255, True), quant.quantise(x, 255, "i16", round=True, transpose=True)
+    )
+    best = best_of(cases, args.repeats)
+
+    print(
+        f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), {nbytes / 1e6:.0f} MB float32 in, i16 out"
+    )
+    print(f"{'case':<30} {'GB/s':>8} {'vs memcpy':>10} {'vs numpy':>9}")
+    for name, t in best.items():
+        base = best["copy (device)"] if "device" in name else best["memcpy (host)"]
+        numpy_t = best["numpy + transpose" if "transpose" in name else "numpy"]
+        vs_numpy = f"{numpy_t / t:8.2f}x" if name.startswith(("pytreeio", "kernel")) else ""
+        print(f"{name:<30} {nbytes / t / 1e9:8.2f} {t / base:9.2f}x {vs_numpy:>9}")
+    print(
+        "(vs memcpy: time / baseline time, lower is better; vs numpy: speed-up, higher is better)"
+    )
+
+
+if __name__ == "__main__":
+    main()
