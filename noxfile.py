@@ -37,3 +37,14 @@ def bench(session: nox.Session) -> None:
     session.install("-e", ".[bench]")
     session.run("python", "tests/bench/bench_core.py", *session.posargs)
     session.run("python", "tests/bench/bench_tinyllama.py")
+    session.run("python", "tests/bench/bench_quant.py")
+
+
+@nox.session(python=PYTHON)
+def fuzz(session: nox.Session) -> None:
+    """The structure-aware fuzzer over every format's decoder and inspect (not part of the tests).
+
+    ``nox -s fuzz -- msgpack -n 100000`` fuzzes one format; the default runs all of them.
+    """
+    session.install("-e", ".[test]")
+    session.run("python", "tests/fuzz.py", *(session.posargs or ["-n", "100000"]))

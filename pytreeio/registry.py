@@ -2,10 +2,9 @@
 
 A format is a small immutable record of pure functions (like optax's
 ``GradientTransformation``).  Format modules build one and call
-:func:`register`; the built-in modules are imported lazily the first time the
-registry is consulted, so ``import pytreeio`` stays cheap.  This module imports
-no format module itself: :data:`BUILTIN_MODULES` names them and
-:func:`formats` imports them by name on first use.
+:func:`register`.  The registry names no format: the first time it is
+consulted it asks :func:`pytreeio.fmt.load` to import the built-in format
+modules, which register themselves, so ``import pytreeio`` stays cheap.
 
 Layouts are values (:data:`FILE`, :class:`Siblings`, :data:`DIRECTORY`):
 
@@ -34,7 +33,6 @@ declares raises ``TypeError``.
 
 from __future__ import annotations
 
-import importlib
 import inspect as _inspect
 import json
 import os
@@ -68,18 +66,6 @@ __all__ = [
     "for_suffix",
     "best_match",
 ]
-
-#: Modules under ``pytreeio.fmt`` that register the built-in formats.
-BUILTIN_MODULES: tuple[str, ...] = (
-    "safetensors",
-    "tinyllama",
-    "netcl",
-    "netcl_checkpoint",
-    "datacode",
-    "waffe2",
-    "bullet",
-    "msgpack",
-)
 
 #: Sniff scores: a magic number matched, a structure recognised, a weak guess.
 MAGIC = 100.0
@@ -269,11 +255,46 @@ class Info:
                     f"{e.dtype:<{w_dtype}}  {e.nbytes:>12,d} B"
                 )
         if self.meta:
-            text = json.dumps(self.meta, sort_keys=True, default=str)
-            if len(text) > 400:
-                text = text[:400] + "..."
-            lines.append(f"  meta: {text}")
+            lines.append("  meta:")
+            lines.extend("    " + line for line in _meta_lines(self.meta))
         return "\n".join(lines)
+
+
+#: Lines of meta that ``str(info)`` shows; ``to_json()`` (``inspect --json``) has all of it.
+_META_LINES = 60
+
+
+def _meta_lines(meta: Mapping[str, Any]) -> list[str]:
+    """The meta document as indented JSON, number lists folded onto one line, capped."""
+    text = json.dumps(meta, sort_keys=True, indent=2, default=str)
+    lines: list[str] = []
+    folding = False  # the last line is an open list of numbers
+    for line in text.splitlines():
+        item = line.strip()
+        if folding and _is_number(item.rstrip(",")):
+            if len(lines[-1]) < 160:
+                lines[-1] += " " + item
+            elif not lines[-1].endswith("..."):
+                lines[-1] += " ..."
+            continue
+        if folding and item.rstrip(",") == "]":
+            lines[-1] += " " + item
+            folding = False
+            continue
+        folding = item.endswith("[")
+        lines.append(line)
+    if len(lines) > _META_LINES:
+        more = len(lines) - _META_LINES
+        lines = [*lines[:_META_LINES], f"... ({more} more lines: --json shows all)"]
+    return lines
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _human(n: int) -> str:
@@ -416,8 +437,9 @@ def _load_builtins() -> None:
     if _builtins_loaded:
         return
     _builtins_loaded = True
-    for module in BUILTIN_MODULES:
-        importlib.import_module(f"pytreeio.fmt.{module}")
+    from .fmt import load  # the format package lists its modules; they call register()
+
+    load()
 
 
 def register(fmt: Format, *, replace: bool = False) -> Format:

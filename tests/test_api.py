@@ -158,3 +158,46 @@ def test_unknown_load_options_are_rejected_not_ignored(tmp_path: Path) -> None:
         ptio.load(path, verfy_crc=False)
     with pytest.raises(TypeError, match="accepted: none"):
         ptio.decode(path.read_bytes(), "msgpack", strict=False)
+
+
+def test_unknown_format_errors_carry_the_path(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"\x00\x01\x02 not a checkpoint")
+    with pytest.raises(ptio.UnknownFormatError) as e:
+        ptio.load(junk)
+    assert e.value.path == str(junk) and str(junk) in str(e.value)
+    with pytest.raises(ptio.UnknownFormatError) as e2:
+        ptio.save(tmp_path / "x.unknownsuffix", {"a": np.zeros(2)})
+    assert e2.value.path == str(tmp_path / "x.unknownsuffix")
+    with pytest.raises(ptio.UnknownFormatError) as e3:
+        ptio.load(junk, format="no-such-format")
+    assert e3.value.path == str(junk)
+    again = pickle.loads(pickle.dumps(e.value))
+    assert again.path == e.value.path
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [None, "msgpack", "netcl", "netcl-checkpoint", "netcl-params", "datacode", "waffe2", "bullet"],
+)
+def test_a_missing_checkpoint_is_file_not_found_everywhere(tmp_path: Path, fmt: str | None) -> None:
+    missing = tmp_path / "nothing" / "here"
+    for call in (
+        lambda: ptio.load(missing, format=fmt),
+        lambda: ptio.inspect(missing, format=fmt),
+        lambda: ptio.verify(missing, format=fmt),
+        lambda: ptio.load_with_meta(missing, format=fmt),
+        lambda: ptio.convert(missing, tmp_path / "out.safetensors", to="safetensors", from_=fmt),
+    ):
+        with pytest.raises(FileNotFoundError):
+            call()
+
+
+def test_a_sibling_format_on_an_existing_other_file_names_what_it_looked_for(
+    tmp_path: Path,
+) -> None:
+    nn = tmp_path / "model.nn"
+    nn.write_bytes(b"DATACODE\x01\x00\x00\x00")
+    with pytest.raises(FileNotFoundError) as e:
+        ptio.load(nn, format="netcl-checkpoint")
+    assert "model.nn.npz" in str(e.value) and "model.json" in str(e.value)
