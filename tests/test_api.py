@@ -115,18 +115,35 @@ def test_cli_formats_inspect_verify_convert(
     assert "bad.msgpack" in err and "offset" in err
 
 
-def test_import_and_inspect_do_not_import_jax_flax_optax(tmp_path: Path) -> None:
+def test_import_and_inspect_do_not_import_jax_flax_optax(tmp_path: Path, conformance: Path) -> None:
     path = tmp_path / "a.safetensors"
     ptio.save(path, {"w": np.ones(3, np.float32)})
+    ptio.save(tmp_path / "m.msgpack", {"w": np.ones(3, np.float32)})
+    layers = [{"weight": np.ones((2, 3), np.float32), "bias": np.zeros(3, np.float32)}]
+    ptio.save(tmp_path / "m.netcl", layers, meta={"config": ["Linear"]})
+    ptio.save(tmp_path / "ck", {"params": [np.ones(2, np.float32)]}, format="netcl-checkpoint")
+    ptio.save(tmp_path / "b", {"weights": {"l0b": np.ones(4, np.float32)}}, format="bullet")
+    paths = [
+        path,
+        tmp_path / "m.msgpack",
+        tmp_path / "m.netcl",
+        tmp_path / "ck",
+        tmp_path / "b",
+        conformance / "tinyllama" / "weights.bin",
+        conformance / "datacode" / "model_mnist.nn",
+        conformance / "waffe2" / "tiny_adam3_opt.wf2model",
+    ]
     code = (
         "import sys, pytreeio\n"
         "from pytreeio import cli\n"
-        f"assert cli.main(['inspect', {str(path)!r}]) == 0\n"
+        f"for p in {[str(p) for p in paths]!r}:\n"
+        "    assert cli.main(['inspect', p]) == 0, p\n"
         "assert cli.main(['formats']) == 0\n"
         "heavy = sorted(m for m in ('jax', 'flax', 'optax', 'jaxlib') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_demo_runs_and_resumes_exactly(tmp_path: Path) -> None:
