@@ -10,6 +10,7 @@ imported by the operations that need them.
 
 from .api import (
     convert,
+    convert_buffer,
     decode,
     encode,
     formats,
@@ -55,6 +56,7 @@ __all__ = [
     "inspect",
     "inspect_buffer",
     "convert",
+    "convert_buffer",
     "encode",
     "decode",
     "verify",

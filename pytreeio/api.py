@@ -19,8 +19,6 @@ from typing import Any
 from . import io, registry
 from .binary import BufferSource, as_memoryview
 from .errors import (
-    ConversionError,
-    EncodeError,
     FormatError,
     MismatchError,
     PytreeioWarning,
@@ -36,6 +34,7 @@ __all__ = [
     "inspect_buffer",
     "verify",
     "convert",
+    "convert_buffer",
     "encode",
     "decode",
     "formats",
@@ -97,24 +96,6 @@ def _format_for_load(path: PathLike, format: str | Format | None) -> Format:
 # --------------------------------------------------------------------------
 
 
-def _split_convert_options(
-    source: Format, target: Format, options: Mapping[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Route each convert option to the source's load functions and/or the target's save functions."""
-    load_names, save_names = source.load_options, target.save_options
-    unknown = sorted(set(options) - load_names - save_names)
-    if unknown:
-        raise TypeError(
-            f"convert takes no option(s) {', '.join(unknown)}: format {source.name!r} loads with "
-            f"{sorted(load_names) or 'none'}, format {target.name!r} saves with "
-            f"{sorted(save_names) or 'none'}"
-        )
-    return (
-        {k: v for k, v in options.items() if k in load_names},
-        {k: v for k, v in options.items() if k in save_names},
-    )
-
-
 @contextmanager
 def _errors_located(path: PathLike | None, source: Any = None) -> Iterator[None]:
     """Fill in the file of errors that pure functions raise without one."""
@@ -157,9 +138,11 @@ def _encode(
     model: Any = None,
 ) -> Encoded:
     """Encode ``tree`` (or ``model``, already in the common form) in ``fmt``."""
+    from . import keys
     from . import model as model_mod
 
     fmt.check_options(options, "save")
+    keys.refuse(model if model is not None else tree, fmt.name)  # typed PRNG keys: named, early
     opts = dict(options)
     layers = opts.pop("layers", None)
     out_meta: dict[str, Any] | None = dict(meta) if meta is not None else None
@@ -203,24 +186,32 @@ def _restore(
     fmt: Format, native: Any, meta: dict[str, Any], like: Any, options: Mapping[str, Any]
 ) -> Any:
     from . import model as model_mod
+    from .conversion import carried
 
-    if fmt.is_model_format and model_mod.is_model_like(like):
-        assert fmt.to_model is not None
-        fixed = {"like": like} if _takes(fmt.to_model, "like") else {}
-        model = _call(fmt.to_model, fmt, options, native, meta, **fixed)
-        return model_mod.restore_model(model, like)
+    if model_mod.is_model_like(like):
+        # a model format, or a generic file carrying one's native tree (see pytreeio.conversion)
+        source, source_meta = (fmt, meta) if fmt.is_model_format else carried(fmt, meta)
+        if source.is_model_format:
+            assert source.to_model is not None
+            fixed = {"like": like} if _takes(source.to_model, "like") else {}
+            model = _call(source.to_model, source, options, native, source_meta, **fixed)
+            return model_mod.restore_model(model, like)
     return _call(fmt.restore, fmt, options, native, meta, like)
 
 
 def _as_source(data: Any) -> Any:
+    """A buffer, or a mapping of them, from an :class:`Encoded`, a buffer or a mapping of either."""
     if isinstance(data, Encoded):
         if data.files is not None:
-            return {k: memoryview(v.tobytes()) for k, v in data.files.items()}
+            return {k: _as_source(v) for k, v in data.files.items()}
         if len(data.chunks) == 1:
             return as_memoryview(data.chunks[0])
         return memoryview(data.tobytes())
     if isinstance(data, Mapping):
-        return {k: as_memoryview(v) for k, v in data.items()}
+        return {
+            k: _as_source(v) if isinstance(v, Encoded) else as_memoryview(v)
+            for k, v in data.items()
+        }
     return as_memoryview(data)
 
 
@@ -385,75 +376,84 @@ def convert(
 ) -> None:
     """Re-encode the checkpoint at ``src`` as format ``to`` at ``dst``.
 
-    Between two model formats the checkpoint goes through the common model
-    form (``to_model`` then ``from_model``); into other formats its native
-    tree goes as is.  The source's meta is carried over unless ``meta`` is
-    given.  Each option goes to the source's load functions and/or the
-    target's save functions that declare it; an option neither declares
-    raises ``TypeError``.  What the target cannot hold raises
-    :class:`ConversionError` before anything is written, unless ``lossy``.
+    Between model formats the checkpoint goes through the common model form
+    (``to_model`` then ``from_model``): parameters bit for bit, the layer list
+    translated, the optimizer state (moments and count) carried where the
+    target holds one.  Into safetensors (a generic format that keeps meta) the
+    source's native tree and meta go as they are, with the source format's
+    name under the meta key ``"pytreeio.format"``, so the file converts
+    onward as the source would; into msgpack the model's Flax variables go.
+    The rules are in :mod:`pytreeio.conversion`; :func:`convert_buffer` is the
+    same conversion on buffers.
+
+    The source's meta is carried over unless ``meta`` is given.  Each option
+    goes to the source's load functions and/or the target's save functions
+    that declare it; an option neither declares raises ``TypeError``.  What
+    the target cannot hold raises :class:`ConversionError` naming it, before
+    anything is written; ``lossy=True`` drops it with a
+    :class:`PytreeioWarning` listing what was dropped.
     """
+    from . import conversion as conv
+
     target = registry.get(to, path=dst)
-    source_fmt = _format_for_load(src, from_)
-    load_opts, save_opts = _split_convert_options(source_fmt, target, options)
-    _, native, src_meta = _decode_path(src, source_fmt, False, load_opts)
-    out_meta = dict(meta) if meta is not None else src_meta
+    container = _format_for_load(src, from_)
+    conv.split_options(container, None, target, options)  # misspelt options fail before reading
+    decode_opts = conv.decode_options(container, target, options)
+    _, native, src_meta = _decode_path(src, container, False, decode_opts)
     with _errors_located(src):
-        encoded = _convert_encoded(
-            source_fmt,
+        encoded = conv.convert_decoded(
+            container,
             target,
             native,
             src_meta,
-            out_meta,
-            load_opts,
-            save_opts,
-            dst,
-            lossy,
-            explicit_meta=meta is not None,
+            options=options,
+            out_meta=meta,
+            dest=dst,
+            lossy=lossy,
         )
     io.write_atomic(dst, encoded, target.layout, durable=durable)
     _deliver_deferred(encoded)
 
 
-def _convert_encoded(
-    source: Format,
-    target: Format,
-    native: Any,
-    src_meta: dict[str, Any],
-    out_meta: dict[str, Any],
-    load_opts: Mapping[str, Any],
-    save_opts: Mapping[str, Any],
-    dst: PathLike,
-    lossy: bool,
+def convert_buffer(
+    data: Any,
     *,
-    explicit_meta: bool,
+    from_: str | Format,
+    to: str | Format,
+    meta: Mapping[str, Any] | None = None,
+    lossy: bool = False,
+    dest: PathLike | None = None,
+    **options: Any,
 ) -> Encoded:
-    if source.is_model_format and target.is_model_format and source is not target:
-        assert source.to_model is not None
-        model = _call(source.to_model, source, load_opts, native, src_meta)
-        meta = out_meta if explicit_meta else None
-        return _encode(target, None, meta, save_opts, dst, lossy=lossy, model=model)
-    if out_meta and not target.accepts_meta and not explicit_meta:
-        out_meta = {}  # the source's own meta has no place in the target: nothing the caller gave
-        if source.keeps_meta and src_meta:
-            if not lossy:
-                raise ConversionError(
-                    f"format {target.name!r} cannot store the source's meta {sorted(src_meta)}; "
-                    "pass lossy=True to drop it",
-                    what=[f"meta.{k}" for k in sorted(src_meta)],
-                )
-            warnings.warn(
-                f"dropping the source's meta {sorted(src_meta)}: format {target.name!r} cannot store it",
-                PytreeioWarning,
-                stacklevel=4,
-            )
-    try:
-        return _encode(target, native, out_meta or None, save_opts, dst, lossy=lossy)
-    except EncodeError as exc:
-        raise ConversionError(
-            f"format {target.name!r} cannot hold this {source.name} checkpoint: {exc}",
-            what=[exc.key_path or ""],
-        ) from exc
+    """:func:`convert` without the file system: an encoding in ``from_`` -> an :class:`Encoded` in ``to``.
+
+    ``data`` is ``bytes`` (or any buffer, or an :class:`Encoded`) for a
+    single-file format, or a mapping of role/relative path -> buffer for
+    sibling and directory formats (``{"npz": ..., "json": ...}``,
+    ``{"raw.bin": ..., "optimiser_state/weights.bin": ...}``), as
+    :func:`encode` returns them in ``Encoded.files``.  ``dest`` is the path
+    the result is meant for (cl-waffe2 records it); nothing is written.  A
+    partly failed encoding (bullet's quantisation) comes back with its
+    errors in ``Encoded.deferred``.  Same rules, options and errors as
+    :func:`convert`: it is the same code path.
+    """
+    from . import conversion as conv
+
+    container = registry.get(from_)
+    target = registry.get(to)
+    conv.split_options(container, None, target, options)
+    decode_opts = conv.decode_options(container, target, options)
+    native, src_meta = _call(container.decode, container, decode_opts, _as_source(data))
+    return conv.convert_decoded(
+        container,
+        target,
+        native,
+        src_meta,
+        options=options,
+        out_meta=meta,
+        dest=dest,
+        lossy=lossy,
+    )
 
 
 def verify(path: PathLike, format: str | Format | None = None, **options: Any) -> Info:

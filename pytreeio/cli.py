@@ -1,77 +1,414 @@
-"""The ``pytreeio`` command: formats, inspect, verify, convert, demo.
+"""The ``pytreeio`` command.
 
-``inspect`` and ``formats`` import neither jax, flax nor optax; ``demo``
-needs the ``flax`` extra (``pip install 'pytreeio[flax]'``).
+Synopsis::
 
-Errors (any :class:`~pytreeio.errors.PytreeioError`, missing files and other
-``OSError`` exceptions) are printed as one line ``pytreeio: error: ...`` on stderr
-with exit status 1; ``--debug`` shows the traceback instead.  Usage errors
-exit with status 2.
+    pytreeio [--quiet] [--debug] [--version] COMMAND ...
+    pytreeio formats [--json]
+    pytreeio inspect PATH [--format NAME] [--json]
+    pytreeio verify  PATH [--format NAME] [--opt NAME=VALUE ...] [--json]
+    pytreeio convert SRC DST --to NAME [--from NAME] [--meta JSON|@FILE]
+                     [--opt NAME=VALUE ...] [--lossy] [--force] [--no-fsync]
+    pytreeio diff A B [--format NAME] [--format-a NAME] [--format-b NAME]
+                  [--atol X] [--rtol X] [--model | --native] [--all] [--json]
+    pytreeio demo [--dir DIR] [--steps N]
+
+``--quiet`` and ``--debug`` are also accepted after the command.
+
+Exit status: 0 ok; 1 an error (or, for ``diff``, checkpoints that differ);
+2 a usage error.  Errors (any exception, with ``--debug`` shown as a
+traceback instead) are one line ``pytreeio: error: ...`` on stderr, and
+warnings (what ``--lossy`` dropped, a bullet save without ``quantised.bin``)
+one line ``pytreeio: warning: ...`` each, without Python's source line.
+
+``convert``, ``verify`` and ``diff`` show a transient progress display on
+stderr when it is a terminal and the checkpoints are over 100 MB
+(:mod:`pytreeio.progress`).
+
+``inspect`` and ``formats`` import neither jax, flax, optax nor rich;
+``demo`` needs the ``flax`` extra (``pip install 'pytreeio[flax]'``).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect as _inspect
 import json
+import math
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+import textwrap
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
 
-from . import api
-from .errors import PytreeioError, UnknownFormatError
+from . import __version__, api, progress, registry
+from .errors import PytreeioError, PytreeioWarning, UnknownFormatError
+from .registry import Format
+
+T = TypeVar("T")
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A command line that cannot be run as given (exit status 2)."""
+
+
+# --------------------------------------------------------------------------
+# argument values
+# --------------------------------------------------------------------------
+
+
+def _json_or_text(text: str) -> Any:
+    """``text`` parsed as JSON when it parses, else the string itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _read_at_file(value: str, what: str) -> str:
+    try:
+        return Path(value[1:]).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UsageError(f"{what}: cannot read {value[1:]!r}: {reason}") from None
+
+
+def parse_opts(items: Sequence[str] | None) -> dict[str, Any]:
+    """``--opt name=value`` items as keyword options.
+
+    A value is parsed as JSON when it parses (``true``, ``3``, ``[...]``,
+    ``{...}``, ``null``), else kept as a string; ``@path`` reads the value
+    from a file (again JSON when it parses).
+    """
+    out: dict[str, Any] = {}
+    for item in items or ():
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not name.isidentifier():
+            raise UsageError(f"--opt takes NAME=VALUE, got {item!r}")
+        if name in out:
+            raise UsageError(f"--opt {name} is given twice")
+        if value.startswith("@"):
+            value = _read_at_file(value, f"--opt {name}")
+        out[name] = _json_or_text(value)
+    return out
+
+
+def parse_meta(text: str | None) -> dict[str, Any] | None:
+    """``--meta`` as a JSON object (``@path`` reads it from a file)."""
+    if text is None:
+        return None
+    if text.startswith("@"):
+        text = _read_at_file(text, "--meta")
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"--meta is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"--meta must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _json_default(x: Any) -> Any:
+    item = getattr(x, "item", None)
+    if callable(item) and getattr(x, "shape", None) == ():
+        return item()
+    tolist = getattr(x, "tolist", None)
+    if callable(tolist):
+        return tolist()
+    return str(x)
+
+
+def _dumps(doc: Any) -> str:
+    return json.dumps(doc, indent=2, default=_json_default)
+
+
+# --------------------------------------------------------------------------
+# paths and options
+# --------------------------------------------------------------------------
+
+
+def _sibling_stem(path: str, format: str | None) -> str | None:
+    """The stem of a sibling-file checkpoint that the file ``path`` is one of (``ckpt.json`` -> ``ckpt``)."""
+    p = Path(path)
+    if not p.suffix or not p.is_file():
+        return None
+    stem = p.with_suffix("")
+    try:
+        candidates = [registry.get(format)] if format else list(registry.formats().values())
+    except UnknownFormatError:
+        return None
+    for fmt in candidates:
+        if not isinstance(fmt.layout, registry.Siblings):
+            continue
+        try:
+            located = fmt.layout.locate(stem)
+        except Exception:
+            continue
+        if any(Path(q) == p for q in located.values()):
+            return os.fspath(stem)
+    return None
+
+
+def resolve_path(path: str, format: str | None) -> str:
+    """``path``, or the stem of the sibling-file checkpoint it is one file of.
+
+    ``pytreeio inspect ckpt.json`` then reads the checkpoint ``ckpt``
+    (``ckpt.npz`` + ``ckpt.json``) as ``pytreeio inspect ckpt`` would.
+    """
+    stem = _sibling_stem(path, format)
+    if stem is None:
+        return path
+    try:
+        api.inspect(path, format=format)
+    except (PytreeioError, OSError):
+        try:
+            api.inspect(stem, format=format)
+        except (PytreeioError, OSError):
+            return path  # neither reads: the error is about the path given
+        return stem
+    return path
+
+
+def _with_options(fn: Callable[[], T], options: Mapping[str, Any]) -> T:
+    """Run an API call given user options; an option no function takes is a usage error."""
+    try:
+        return fn()
+    except TypeError as exc:
+        if options and not isinstance(exc, PytreeioError) and "option" in str(exc):
+            raise UsageError(f"{exc} (see `pytreeio formats`)") from exc
+        raise
+
+
+def _check_suffix(dst: str, target: Format, force: bool) -> None:
+    """Refuse a destination whose suffix names another format than ``--to``."""
+    name = dst.lower().rstrip("/\\")
+    if any(name.endswith(s) for s in target.suffixes):
+        return
+    others = sorted(
+        f.name
+        for f in registry.formats().values()
+        if f is not target and any(name.endswith(s) for s in f.suffixes)
+    )
+    if others and not force:
+        raise UsageError(
+            f"{dst}: the suffix names format {', '.join(map(repr, others))}, not "
+            f"{target.name!r}; pass --force to write {target.name} there anyway"
+        )
+
+
+@contextmanager
+def _activity(
+    args: argparse.Namespace, description: str, *paths: str, counters: bool = True
+) -> Iterator[None]:
+    """The progress display for work on the checkpoints at ``paths`` (see :mod:`pytreeio.progress`)."""
+    if args.quiet:
+        yield
+        return
+    size = sum(progress.path_size(p) for p in paths)
+    with progress.activity(description, size, counters=counters):
+        yield
+
+
+def _short(path: str) -> str:
+    """A path's last component, for the one-line progress display."""
+    return Path(path).name or path
+
+
+# --------------------------------------------------------------------------
+# commands
+# --------------------------------------------------------------------------
+
+
+def _option_defaults(fmt: Format, direction: str) -> dict[str, Any]:
+    """Each option of ``fmt`` in ``direction`` with its default (``_inspect.Parameter.empty`` for none)."""
+    names = fmt.save_options if direction == "save" else fmt.load_options
+    fns = (
+        (fmt.encode, fmt.from_model)
+        if direction == "save"
+        else (fmt.decode, fmt.restore, fmt.to_model)
+    )
+    out: dict[str, Any] = {}
+    for name in sorted(names):
+        out[name] = _inspect.Parameter.empty
+        for fn in fns:
+            if fn is None:
+                continue
+            try:
+                param = _inspect.signature(fn).parameters.get(name)
+            except (TypeError, ValueError):
+                continue
+            if param is not None:
+                out[name] = param.default
+                break
+    return out
+
+
+def _options_line(defaults: Mapping[str, Any]) -> str:
+    if not defaults:
+        return "none"
+    parts = []
+    for name, default in defaults.items():
+        text = repr(default)
+        empty = default is _inspect.Parameter.empty
+        parts.append(name if empty or len(text) > 30 else f"{name}={text}")
+    return ", ".join(parts)
 
 
 def _cmd_formats(args: argparse.Namespace) -> int:
     fmts = api.formats()
     if args.json:
-        print(
-            json.dumps(
-                {
-                    n: {
-                        "layout": f.layout.kind,
-                        "suffixes": list(f.suffixes),
-                        "description": f.description,
-                        "accepts_meta": f.accepts_meta,
-                        "keeps_meta": f.keeps_meta,
-                    }
-                    for n, f in fmts.items()
-                },
-                indent=2,
-            )
-        )
-        return 0
+        doc = {
+            n: {
+                "layout": f.layout.kind,
+                "suffixes": list(f.suffixes),
+                "description": f.description,
+                "accepts_meta": f.accepts_meta,
+                "keeps_meta": f.keeps_meta,
+                "model_format": f.is_model_format,
+                "save_options": sorted(f.save_options),
+                "load_options": sorted(f.load_options),
+            }
+            for n, f in fmts.items()
+        }
+        print(json.dumps(doc, indent=2))
+        return EXIT_OK
+    if args.quiet:
+        return EXIT_OK
     w = max(len(n) for n in fmts)
     for name, f in sorted(fmts.items()):
         suffixes = " ".join(f.suffixes) or "-"
         print(f"{name:<{w}}  {f.layout.kind:<8}  {suffixes:<20}  {f.description}")
-    return 0
+        print(f"{'':<{w}}  save options: {_options_line(_option_defaults(f, 'save'))}")
+        print(f"{'':<{w}}  load options: {_options_line(_option_defaults(f, 'load'))}")
+    return EXIT_OK
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    info = api.inspect(args.path, format=args.format)
+    path = resolve_path(args.path, args.format)
+    info = api.inspect(path, format=args.format)
     if args.json:
-        print(json.dumps(info.to_json(), indent=2, default=str))
-    else:
+        print(_dumps(info.to_json()))
+    elif not args.quiet:
         print(info)
-    return 0
+    return EXIT_OK
+
+
+def _quantisation_summary(report: Any) -> str | None:
+    if not isinstance(report, Mapping) or not report:
+        return None
+    try:
+        worst = max(report, key=lambda k: float(report[k]))
+        return f"quantisation error: largest {float(report[worst]):.6g} ({worst})"
+    except (TypeError, ValueError):
+        return f"quantisation error: {json.dumps(report, default=_json_default)}"
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    info = api.verify(args.path, format=args.format)
-    print(
-        f"{args.path}: OK ({info.format}, {len(info.entries)} entries, {info.nbytes:,d} tensor bytes)"
-    )
-    return 0
+    opts = parse_opts(args.opt)
+    try:
+        path = resolve_path(args.path, args.format)
+        with _activity(args, f"verifying {_short(path)}", path):
+            info = _with_options(lambda: api.verify(path, format=args.format, **opts), opts)
+    except (PytreeioError, OSError) as exc:
+        if args.json:  # still a document on stdout for pipelines; the error line goes to stderr
+            print(_dumps({"ok": False, "path": args.path, "error": error_line(exc)}))
+        raise
+    if args.json:
+        print(_dumps({"ok": True, **info.to_json()}))
+    elif not args.quiet:
+        print(
+            f"{info.path}: OK ({info.format}, {len(info.entries)} entries, "
+            f"{info.nbytes:,d} tensor bytes)"
+        )
+        summary = _quantisation_summary(info.meta.get("quantisation_error"))
+        if summary:
+            print(f"  {summary}")
+    return EXIT_OK
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    api.convert(args.src, args.dst, to=args.to, from_=args.from_, durable=not args.no_fsync)
-    info = api.inspect(args.dst, format=args.to)
-    print(
-        f"{args.src} -> {args.dst} ({info.format}, {len(info.entries)} entries, {info.nbytes:,d} tensor bytes)"
-    )
-    return 0
+    target = registry.get(args.to, path=args.dst)
+    _check_suffix(args.dst, target, args.force)
+    meta = parse_meta(args.meta)
+    opts = parse_opts(args.opt)
+    src = resolve_path(args.src, args.from_)
+    with _activity(args, f"converting {_short(src)} to {target.name}", src):
+        _with_options(
+            lambda: api.convert(
+                src,
+                args.dst,
+                to=target,
+                from_=args.from_,
+                meta=meta,
+                lossy=args.lossy,
+                durable=not args.no_fsync,
+                **opts,
+            ),
+            opts,
+        )
+    if not args.quiet:
+        info = api.inspect(args.dst, format=target)
+        print(
+            f"{src} -> {args.dst} ({info.format}, {len(info.entries)} entries, "
+            f"{info.nbytes:,d} tensor bytes)"
+        )
+    return EXIT_OK
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from .diff import diff
+
+    fmt_a = args.format_a or args.format
+    fmt_b = args.format_b or args.format
+    a, b = resolve_path(args.a, fmt_a), resolve_path(args.b, fmt_b)
+    # diff maps the files: the read counters would not see those bytes
+    with _activity(args, f"comparing {_short(a)} and {_short(b)}", a, b, counters=False):
+        report = diff(
+            a,
+            b,
+            format_a=fmt_a,
+            format_b=fmt_b,
+            atol=args.atol,
+            rtol=args.rtol,
+            through_model=args.through_model,
+        )
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    elif not args.quiet:
+        if args.all:
+            lines = [f"A: {report.a} ({report.format_a})", f"B: {report.b} ({report.format_b})"]
+            lines += [f"  {e.line()}" for e in report.entries]
+            lines += [f"note: {n}" for n in report.notes]
+            lines.append(report.summary())
+            print("\n".join(lines))
+        else:
+            print(report)
+    return EXIT_OK if report.ok else EXIT_ERROR
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -80,55 +417,247 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.dir, steps=args.steps)
 
 
+# --------------------------------------------------------------------------
+# the parser
+# --------------------------------------------------------------------------
+
+
+def _format_list() -> str:
+    fmts = registry.formats()
+    w = max((len(n) for n in fmts), default=0)
+    lines = [f"  {name:<{w}}  {f.description}" for name, f in sorted(fmts.items())]
+    return "formats (`pytreeio formats` lists their suffixes and options):\n" + "\n".join(lines)
+
+
+_EXIT = "exit status: 0 ok, 1 error (diff: the checkpoints differ), 2 usage error"
+_OPT_HELP = (
+    "(repeatable); VALUE is parsed as JSON when it parses, else taken as a string; @FILE "
+    "reads it from a file. `pytreeio formats` lists each format's options"
+)
+
+
+def _para(text: str) -> str:
+    """``text`` wrapped for a help screen (descriptions are printed as given)."""
+    return textwrap.fill(" ".join(text.split()), width=79)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    formats_text = _format_list()
+    names = ", ".join(sorted(registry.formats()))
+    raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
-        prog="pytreeio", description="Read, write, inspect and convert checkpoints as JAX pytrees."
+        prog="pytreeio",
+        description=_para(
+            "Read, write, inspect, verify, convert and compare checkpoints as JAX pytrees."
+        ),
+        epilog=f"{formats_text}\n\n{_EXIT}",
+        formatter_class=raw,
     )
+    parser.add_argument("--version", action="version", version=f"pytreeio {__version__}")
     parser.add_argument(
         "--debug", action="store_true", help="show the traceback of an error instead of one line"
     )
-    # --debug is also accepted after the command (`pytreeio verify x --debug`).
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="print nothing but errors (and --json output)"
+    )
+    # --debug and --quiet are also accepted after the command (`pytreeio verify x --debug`).
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="as above")
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show the traceback of an error instead of one line",
+    )
+    common.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print nothing but errors (and --json output)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, **kwargs: Any) -> argparse.ArgumentParser:
-        return sub.add_parser(name, parents=[common], **kwargs)
+    def add(name: str, func: Callable[[argparse.Namespace], int], **kwargs: Any) -> Any:
+        p = sub.add_parser(name, parents=[common], formatter_class=raw, **kwargs)
+        p.set_defaults(func=func, parser=p)
+        return p
 
-    p = add("formats", help="list the registered formats")
+    p = add(
+        "formats",
+        _cmd_formats,
+        help="list the registered formats with their save and load options",
+        description=_para(
+            "List the registered formats: layout, suffixes, description, and the "
+            "options `--opt` passes when saving (convert's target) and loading (verify, "
+            "convert's source)."
+        ),
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=_cmd_formats)
 
-    p = add("inspect", help="show a checkpoint's entries and meta (reads headers only)")
-    p.add_argument("path")
-    p.add_argument("--format", help="format name (default: sniffed from the content)")
+    p = add(
+        "inspect",
+        _cmd_inspect,
+        help="show a checkpoint's entries and meta (reads headers only)",
+        description=_para(
+            "Show a checkpoint's entries (name, shape, dtype, bytes) and meta, reading "
+            "headers only. PATH is a file, a directory (waffe2, bullet) or a sibling-file stem "
+            "(netcl-checkpoint's `ckpt` for ckpt.npz + ckpt.json; either file works too)."
+        ),
+        epilog=formats_text,
+    )
+    p.add_argument("path", metavar="PATH", help="the checkpoint: file, directory or stem")
+    p.add_argument(
+        "--format", metavar="NAME", help=f"its format (default: sniffed from the content): {names}"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=_cmd_inspect)
 
-    p = add("verify", help="decode a whole checkpoint, checking every byte")
-    p.add_argument("path")
-    p.add_argument("--format", help="format name (default: sniffed from the content)")
-    p.set_defaults(func=_cmd_verify)
+    p = add(
+        "verify",
+        _cmd_verify,
+        help="decode a whole checkpoint, checking every byte",
+        description=_para(
+            "Decode a whole checkpoint, checking every byte, and report its entries. "
+            "Formats that can check derived data report it (bullet with "
+            "--opt saved_format=[...]: the largest quantisation error per tensor)."
+        ),
+        epilog=f"{formats_text}\n\n{_EXIT}",
+    )
+    p.add_argument("path", metavar="PATH", help="the checkpoint: file, directory or stem")
+    p.add_argument(
+        "--format", metavar="NAME", help=f"its format (default: sniffed from the content): {names}"
+    )
+    p.add_argument(
+        "--opt",
+        action="append",
+        metavar="NAME=VALUE",
+        default=[],
+        help="a load option of the checkpoint's format " + _OPT_HELP,
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the checkpoint's info as JSON with \"ok\" (and the format's report)",
+    )
 
-    p = add("convert", help="re-encode a checkpoint in another format")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--to", required=True, help="target format name")
-    p.add_argument("--from", dest="from_", help="source format (default: sniffed)")
+    p = add(
+        "convert",
+        _cmd_convert,
+        help="re-encode a checkpoint in another format",
+        description=_para(
+            "Re-encode the checkpoint SRC as format --to at DST (written atomically). "
+            "Between model formats it goes through the common model form; what the target cannot "
+            "hold is an error unless --lossy."
+        ),
+        epilog=f"{formats_text}\n\n{_EXIT}",
+    )
+    p.add_argument("src", metavar="SRC", help="the checkpoint to read: file, directory or stem")
+    p.add_argument("dst", metavar="DST", help="where to write (a file, directory or stem)")
+    p.add_argument("--to", required=True, metavar="NAME", help=f"the target format: {names}")
+    p.add_argument(
+        "--from",
+        dest="from_",
+        metavar="NAME",
+        help="the source format (default: sniffed from the content)",
+    )
+    p.add_argument(
+        "--meta",
+        metavar="JSON|@FILE",
+        help="the target's meta as a JSON object (or @FILE holding one), instead of the source's",
+    )
+    p.add_argument(
+        "--opt",
+        action="append",
+        metavar="NAME=VALUE",
+        default=[],
+        help="a load option of the source's format or a save option of the target's; " + _OPT_HELP,
+    )
+    p.add_argument(
+        "--lossy",
+        action="store_true",
+        help="drop what the target cannot hold (printed as warnings) instead of failing",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write even when DST's suffix names another format than --to",
+    )
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (keeps the atomic rename)")
-    p.set_defaults(func=_cmd_convert)
 
-    p = add("demo", help="train a small Flax model, checkpoint it in every format, convert, resume")
+    p = add(
+        "diff",
+        _cmd_diff,
+        help="compare two checkpoints (any formats), entry by entry",
+        description=_para(
+            "Compare two checkpoints entry by entry: entries missing on either side, "
+            "shape and dtype differences, elements that differ, largest absolute and relative "
+            "difference, and a one-line verdict (identical / equal within tolerance / different). "
+            "Checkpoints of two different model formats are compared through the common model form "
+            "(keys layers[0].kernel, opt.mu[0], opt.count); others by flattened key path. With no "
+            "tolerance, entries must be bit-identical (NaN payloads included)."
+        ),
+        epilog=f"{formats_text}\n\nexit status: 0 identical (or equal within the tolerance "
+        "given), 1 different or an error, 2 usage error",
+    )
+    p.add_argument("a", metavar="A", help="the first checkpoint: file, directory or stem")
+    p.add_argument("b", metavar="B", help="the second checkpoint")
+    p.add_argument("--format", metavar="NAME", help="the format of both (default: sniffed)")
+    p.add_argument("--format-a", metavar="NAME", help="the format of A (default: --format)")
+    p.add_argument("--format-b", metavar="NAME", help="the format of B (default: --format)")
+    p.add_argument(
+        "--atol",
+        type=_tolerance,
+        default=0.0,
+        metavar="X",
+        help="absolute tolerance: |a-b| <= atol + rtol*max(|a|,|b|) passes (default 0)",
+    )
+    p.add_argument(
+        "--rtol", type=_tolerance, default=0.0, metavar="X", help="relative tolerance (default 0)"
+    )
+    how = p.add_mutually_exclusive_group()
+    how.add_argument(
+        "--model",
+        dest="through_model",
+        action="store_const",
+        const=True,
+        default=None,
+        help="compare through the common model form (default: for two different model formats)",
+    )
+    how.add_argument(
+        "--native",
+        dest="through_model",
+        action="store_const",
+        const=False,
+        help="compare the native trees by key path",
+    )
+    p.add_argument("--all", action="store_true", help="list identical entries too")
+    p.add_argument("--json", action="store_true", help="machine-readable report")
+
+    p = add(
+        "demo",
+        _cmd_demo,
+        help="train a small Flax model, checkpoint it in every format, convert, resume",
+        description=_para(
+            "Train a small Flax MLP with optax, checkpoint it in every format, convert "
+            "it along a chain of formats and resume training from a foreign checkpoint."
+        ),
+    )
     p.add_argument(
         "--dir",
         default=None,
         help="where to write the checkpoints (default: a temporary directory)",
     )
     p.add_argument(
-        "--steps", type=int, default=20, help="training steps before and after the checkpoint"
+        "--steps",
+        type=_positive_int,
+        default=20,
+        help="training steps before and after the checkpoint (at least 1)",
     )
-    p.set_defaults(func=_cmd_demo)
     return parser
+
+
+# --------------------------------------------------------------------------
+# errors and warnings
+# --------------------------------------------------------------------------
 
 
 def _name(filename: object) -> str:
@@ -144,23 +673,69 @@ def error_line(exc: BaseException) -> str:
         msg = f"{_name(exc.filename)}: {exc.strerror}"
         if exc.filename2 is not None:
             msg += f" (-> {_name(exc.filename2)})"
-    else:
+    elif isinstance(exc, PytreeioError | OSError | ValueError | TypeError):
         msg = str(exc) or type(exc).__name__
+    else:
+        msg = f"{type(exc).__name__}: {exc} (--debug shows the traceback)"
     return " ".join(msg.split()) if "\n" in msg or "\r" in msg else msg
 
 
+@contextmanager
+def _warnings_as_lines(quiet: bool) -> Iterator[None]:
+    """Print each warning once as ``pytreeio: warning: ...`` (nothing under ``--quiet``)."""
+    seen: set[str] = set()
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
+        if quiet or issubclass(category, DeprecationWarning | PendingDeprecationWarning):
+            return
+        text = " ".join(str(message).split())
+        if not issubclass(category, PytreeioWarning):
+            text += f" ({category.__name__})"
+        if text in seen:
+            return
+        seen.add(text)
+        print(f"pytreeio: warning: {text}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", PytreeioWarning)
+        warnings.showwarning = show
+        yield
+
+
+def _usage_error(args: argparse.Namespace, parser: argparse.ArgumentParser, msg: str) -> NoReturn:
+    getattr(args, "parser", parser).error(msg)
+    raise AssertionError("unreachable")  # ArgumentParser.error exits
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args))
-    except BrokenPipeError:  # output piped into `head` and friends
-        sys.stderr.close()
-        return 0
-    except (PytreeioError, OSError) as exc:
-        if args.debug:
-            raise
-        print(f"pytreeio: error: {error_line(exc)}", file=sys.stderr)
-        return 1
+    """Run the command; returns the exit status (argparse usage errors exit with 2)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    with _warnings_as_lines(args.quiet):
+        try:
+            return int(args.func(args))
+        except BrokenPipeError:  # output piped into `head` and friends
+            sys.stderr.close()
+            return EXIT_OK
+        except UsageError as exc:
+            _usage_error(args, parser, str(exc))
+        except KeyboardInterrupt:
+            if args.debug:
+                raise
+            print("pytreeio: error: interrupted", file=sys.stderr)
+            return 130
+        except Exception as exc:
+            if args.debug:
+                raise
+            print(f"pytreeio: error: {error_line(exc)}", file=sys.stderr)
+            return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -69,6 +69,11 @@ __all__ = [
     "is_model_like",
     "model_of",
     "restore_model",
+    "flax_names",
+    "flax_variables",
+    "lost_extras",
+    "training_state",
+    "refuse_or_warn",
 ]
 
 
@@ -389,11 +394,24 @@ class Model:
       layers: the layers in network order.
       opt_state: the optimizer state aligned with :attr:`params`, if any.
       step: a training step counter kept beside the parameters (TrainState.step).
+      extras: what a format's file holds beyond the common form, by format
+        name: ``{"datacode": {"training": {...}}}``.  A ``to_model`` records
+        here only what carries information (DataCode's training stages and
+        histories, netcl-checkpoint's ``config``, bullet's ``log.txt``); the
+        format's own ``from_model`` writes it back, and converting into any
+        other format (except a generic one that keeps the source's native
+        tree) is a :class:`ConversionError` naming it unless ``lossy``.
+      origin: the format the model was read from (set by the API when it
+        converts); ``None`` for a model made from a caller's Flax tree.  A
+        format whose save has a lossy default for Flax trees (cl-waffe2 writes
+        no optimizer entries unless asked) keeps everything for a converted model.
     """
 
     layers: tuple[Layer, ...]
     opt_state: Any = None  # pytreeio.optim.OptState
     step: int | None = None
+    extras: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    origin: str | None = None
 
     @property
     def params(self) -> list[tuple[int, str, Any]]:
@@ -869,6 +887,60 @@ def _step_value(value: int, like: Any) -> Any:
     return np.asarray(value, dtype=np.dtype(getattr(like, "dtype", np.int32)))
 
 
+# --------------------------------------------------------------------------
+# a Model as a plain Flax tree (what conversion writes where no layer list fits)
+# --------------------------------------------------------------------------
+
+
+def flax_names(model: Model) -> list[str | None]:
+    """The Flax module name of every layer (None for a layer without arrays).
+
+    ``Dense_N``/``Conv_N``/``BatchNorm_N`` (N counting that kind) when the
+    arrays alone determine the model, i.e. every layer has arrays and all are
+    of one kind: :meth:`Model.from_flax` reads such a tree back without a
+    layer list.  Otherwise ``nn.Sequential``'s ``layers_N`` with N the layer's
+    position, activations included: each parameter layer keeps its place and
+    ``layers=[...]`` supplies the layers between them on the way back.
+    """
+    kinds = {layer.spec.flax for layer in model.layers}
+    if None not in kinds and len(kinds) == 1:
+        counts: dict[str, int] = {}
+        out: list[str | None] = []
+        for layer in model.layers:
+            base = layer.spec.flax
+            assert base is not None
+            out.append(f"{base}_{counts.get(base, 0)}")
+            counts[base] = counts.get(base, 0) + 1
+        return out
+    return [f"layers_{i}" if layer.spec.flax else None for i, layer in enumerate(model.layers)]
+
+
+def flax_variables(model: Model) -> dict[str, Any]:
+    """``{'params': {...}}`` (+ ``'batch_stats'``) of the model's arrays, named by :func:`flax_names`.
+
+    The inverse of :meth:`Model.from_flax` (given the layer list when the
+    names are ``layers_N`` with gaps).  Arrays are the model's own, not copies.
+    """
+    params: dict[str, Any] = {}
+    stats: dict[str, Any] = {}
+    for name, layer in zip(flax_names(model), model.layers):
+        if name is None:
+            continue
+        params[name] = {k: a for k, a in layer.arrays.items() if k in layer.spec.params}
+        held = {k: a for k, a in layer.arrays.items() if k in layer.spec.stats}
+        if held:
+            stats[name] = held
+    out: dict[str, Any] = {"params": params}
+    if stats:
+        out["batch_stats"] = stats
+    return out
+
+
+def lost_extras(model: Model, target: str) -> list[str]:
+    """The :attr:`Model.extras` that a ``target`` format other than their own cannot hold."""
+    return [f"{fmt} {key}" for fmt, items in model.extras.items() if fmt != target for key in items]
+
+
 def check_convertible(
     model: Model, *, types: Sequence[str] | None = None, opt_kinds: Sequence[str] | None = None
 ) -> list[str]:
@@ -885,6 +957,40 @@ def check_convertible(
     ):
         problems.append(f"optimizer state ({model.opt_state.kind})")
     return problems
+
+
+def training_state(model: Model) -> list[str]:
+    """The optimizer state and step counter of ``model``, described for a format that holds neither.
+
+    A step equal to the optimizer's count is part of the optimizer state.
+    """
+    out = []
+    opt = model.opt_state
+    if opt is not None:
+        out.append(f"optimizer state ({opt.kind})")
+    if model.step is not None and (opt is None or opt.count != model.step):
+        out.append(f"step counter ({model.step})")
+    return out
+
+
+def refuse_or_warn(problems: Sequence[str], target: str, lossy: bool, *, hint: str = "") -> None:
+    """Raise :class:`ConversionError` listing ``problems``, or with ``lossy`` warn that they are dropped.
+
+    ``hint`` is appended to the error's reason (where the information would fit).
+    """
+    import warnings
+
+    from .errors import PytreeioWarning
+
+    if not problems:
+        return
+    if not lossy:
+        raise ConversionError(
+            f"format {target!r} cannot hold: {', '.join(problems)}{hint}; pass lossy=True to "
+            "drop it",
+            what=list(problems),
+        )
+    warnings.warn(f"{target}: dropping {', '.join(problems)}", PytreeioWarning, stacklevel=4)
 
 
 def refuse(problems: Sequence[str], target: str) -> None:

@@ -20,6 +20,11 @@ The traversal handles dicts (and other ``Mapping``\\ s), lists, tuples,
 NamedTuples and ``None`` itself; other pytree node types (flax struct
 dataclasses, ...) are walked through jax's registry when jax is already
 imported.  jax is never imported by this module.
+
+Flax NNX ``Variable``\\ s are transparent (:mod:`pytreeio.nnx`): they add no
+component, leaves are their values, and :func:`restore` rebuilds them from
+``like``.  Typed PRNG keys (:mod:`pytreeio.keys`) are leaves; :func:`restore`
+checks them by shape and PRNG implementation.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from . import keys as prng_keys
+from . import nnx
 from .errors import MismatchError
 
 __all__ = [
@@ -202,6 +209,8 @@ def node_children(node: Any) -> Children | None:
     if isinstance(node, (np.ndarray | np.generic, _SCALAR_TYPES)):
         return None
     if isinstance(node, Mapping):
+        if type(node) is not dict and nnx.is_state(node):
+            return _jax_children(node)
         keys = _sorted_keys(node)
         for k in keys:
             if isinstance(k, bool) or not isinstance(k, str | int):
@@ -234,9 +243,25 @@ def node_children(node: Any) -> Children | None:
             return seq_cls(values)
 
         return [(("[", i), x) for i, x in enumerate(node)], rebuild_sequence
+    var = nnx.variable_parts(node)
+    if var is not None:
+        return _variable_children(*var)
     if hasattr(node, "shape") and hasattr(node, "dtype"):
         return None
     return _jax_children(node)
+
+
+def _variable_children(value: Any, wrap: Callable[[Any], Any]) -> Children | None:
+    """An NNX Variable is transparent: its value's children, rebuilt inside a Variable like it."""
+    kids = node_children(value)
+    if kids is None:
+        return None  # a leaf: iter_leaves yields the value, restore rebuilds the Variable
+    pairs, rebuild = kids
+
+    def rebuild_variable(values: list[Any]) -> Any:
+        return wrap(rebuild(values))
+
+    return pairs, rebuild_variable
 
 
 def _jax_children(node: Any) -> Children | None:
@@ -267,7 +292,7 @@ def iter_leaves(
     """``(path, leaf)`` pairs in canonical order; ``None`` and empty containers yield nothing."""
     kids = node_children(tree)
     if kids is None:
-        yield prefix, tree
+        yield prefix, nnx.unwrap(tree)
         return
     for comp, child in kids[0]:
         yield from iter_leaves(child, (*prefix, comp))
@@ -346,6 +371,8 @@ def describe_leaf(x: Any) -> str:
         return "nothing"
     if x is None:
         return "None"
+    if prng_keys.is_key(x):
+        return f"{x.dtype}{list(x.shape)}"
     if is_array_leaf(x):
         return f"{np.dtype(x.dtype).name}{list(x.shape)}"
     return type(x).__name__
@@ -433,6 +460,10 @@ def restore(
         return _restore_plain_dict(native, like, path, convert)
     kids = node_children(like)
     if kids is None:
+        var = nnx.variable_parts(like)
+        if var is not None:  # an NNX Variable around a leaf: the file holds the value
+            value_like, wrap = var
+            return wrap(_restore_leaf(nnx.strip_value(native), value_like, path, convert))
         return _restore_leaf(native, like, path, convert)
     pairs, rebuild = kids
     if native is MISSING or native is None:
@@ -501,6 +532,9 @@ def _restore_leaf(native: Any, like: Any, path: tuple[Component, ...], convert: 
             expected=describe_leaf(like),
             found="nothing",
         )
+    if prng_keys.is_key(like) or prng_keys.is_key(native):
+        where = key_string(path)
+        return prng_keys.restore_key(native, like, where, place=convert)
     if is_array_leaf(like):
         if isinstance(native, bool | int | float) and tuple(like.shape) == ():
             # A Python scalar (msgpack, safetensors store them as such) into a 0-d

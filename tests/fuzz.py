@@ -9,19 +9,29 @@ and from the command line (``nox -s fuzz`` runs this)::
 
     python tests/fuzz.py [FORMAT ...] [-n N] [--seed S] [--timeout SECONDS]
 
-For each of ``n`` inputs the fuzzer picks a seed, applies one to three
-mutations, and calls the format's pure functions -- ``decode``, ``inspect``
-(on :class:`pytreeio.binary.BufferSource`\\ s), ``restore`` into a ``like``
-tree built from the seed's own decoding, and ``to_model`` where the format
-has one -- asserting that nothing but a :class:`pytreeio.PytreeioError`
-escapes and that no call outlives a per-input deadline (``signal.setitimer``,
-main thread only).  Any other exception, or a timeout, is a failure: the
-input is saved under a temporary directory and reported with the stage, the
-exception and the mutations that produced it.
+(every registered format when none is named).  For each of ``n`` inputs the
+fuzzer picks a seed, applies one to three mutations, and calls the format's
+pure functions -- ``decode`` (with the seed's load options, see :class:`Seed`),
+``inspect`` (on :class:`pytreeio.binary.BufferSource`\\ s), ``restore`` into a
+``like`` tree built from the seed's own decoding, and ``to_model`` where the
+format has one -- asserting that nothing but a :class:`pytreeio.PytreeioError`
+escapes, that the input's stages together answer within ``timeout`` seconds
+(``signal.setitimer``, main thread only), and that their peak memory
+(tracemalloc, traced only while they run) grows by at most the input's size +
+64 MiB (DESIGN.md "Guarantees").  Any other exception, a timeout or too much
+memory is a failure: the input is saved under a temporary directory and
+reported with the stage, the exception and the mutations that produced it.
+The report also keeps the worst memory ratio and the worst time per input.
+Every seed runs through all stages once, untimed, before fuzzing, so that
+lazy imports (jax) never happen under the alarm.
 
 Inputs are ``bytes`` for single-file formats and ``Mapping[str, bytes]``
 (role or relative path -> content) for sibling and directory formats, so a
-format added later plugs in by giving seeds (see :func:`default_seeds`).
+format added later plugs in by giving seeds (see :func:`default_seeds`).  A
+mapping gets one change per input: one member (a kind of member first --
+``.npy``, JSON, tagged records, other -- then a member of that kind) mutated
+one to three times, or a member dropped, emptied, renamed, swapped with
+another, or an unknown one added.
 
 Mutations are chosen by what the bytes look like, not by format name, so
 new formats get structure-aware mutations for the containers they share:
@@ -32,8 +42,10 @@ new formats get structure-aware mutations for the containers they share:
   "negative" (``2**bits - k``), off-by-one and doubled: the Tiny Llama
   header and record dims, the safetensors header length, every msgpack
   length/count, the ZIP local/central/end-record sizes, counts and offsets
-  and each ``.npy`` header length, and any u32/u64 that precedes a JSON
-  document and equals its length (DataCode-style framing);
+  and each ``.npy`` header length, any u32/u64 that precedes a JSON
+  document and equals its length, DataCode's version, JSON length, tensor
+  count and every record's name length, ndim and dims, and bullet's record
+  counts (rows and cols in the older variant);
 * JSON documents (a whole file, the safetensors header, JSON held in its
   string values, any framed document): a node replaced by a value of the
   wrong type, a meaningful word (a keyword, a dtype or kind name, a reserved
@@ -42,20 +54,45 @@ new formats get structure-aware mutations for the containers they share:
   reaches the parser;
 * msgpack objects (flax state dicts): a node, a map key or an extension's
   payload replaced by a value of another type (arrays, maps, ext arrays);
-* multi-file inputs: a role's content mutated as above, a role dropped,
-  emptied, swapped with another, or an unknown one added.
+* DataCode files (``DATACODE``): tensor records renamed (other indices,
+  parts, non-UTF-8, overlong), swapped, duplicated, dropped, truncated,
+  reshaped (data kept consistent or not), trailing bytes; the architecture
+  edited (layer types, feature counts of any type, the layer list, the
+  reserved key, ``training``, ``device``) with the JSON length kept;
+* ``.npy`` files: shape (empty, off by one, beyond numpy, too many dims, not
+  a tuple), descr (other, byte-swapped, object, zero-sized, structured),
+  fortran_order, whole headers, versions, data short or long, the header
+  length consistent (numpy's padding) or lying;
+* bullet's tagged records (``id\\n``, u64 count, f32s): lying counts,
+  truncation at each part, ids garbled / duplicated / without newline,
+  records reordered, duplicated, dropped, added, resized consistently, and
+  the older rows/cols variant for one record or all (dims with a zero);
+  ``step.txt`` lines: malformed, signed, non-ASCII digits, huge, unknown
+  ids, duplicates, CRLF, many lines;
+* cl-waffe2's ``parameters.json``: path strings escaping the directory
+  (absolute, ``..``, other basenames, missing or reserved files, NUL), keys
+  (type specifiers with huge bounds, other prefixes and part counts), numbers
+  beyond their type, the two spellings of ``n``, entries dropped or
+  reordered; a layer list's args and types and a sidecar's shapes and
+  counters (pytreeio's ``pytreeio-waffe2.json``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import random
+import re
 import signal
 import struct
 import sys
 import tempfile
+import time
 import traceback
+import tracemalloc
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -75,10 +112,12 @@ from pytreeio.errors import PytreeioError  # noqa: E402
 __all__ = [
     "Field",
     "Failure",
+    "Seed",
     "FuzzReport",
     "fuzz_format",
     "mutate",
     "find_fields",
+    "find_records",
     "default_seeds",
     "main",
 ]
@@ -265,12 +304,187 @@ def _is_json(raw: bytes) -> bool:
     return True
 
 
+# DataCode .nn: DATACODE, u32 version, u32 JSON length, JSON, u32 count, tensor records
+_DC_MAGIC = b"DATACODE"
+
+
+@dataclass(frozen=True)
+class _DcTensor:
+    """A DataCode tensor record: ``[start, end)``, its name bytes, ndim and dims fields."""
+
+    start: int  # the u32 name length
+    name_end: int
+    ndim_at: int
+    dims: tuple[int, ...]
+    end: int
+
+    @property
+    def name(self) -> tuple[int, int]:
+        return self.start + 4, self.name_end
+
+
+def _datacode_walk(buf: bytes, limit: int = 10_000) -> tuple[int | None, list[_DcTensor]]:
+    """The tensor-count offset and the tensor records of a DataCode file, as far as they frame."""
+    if len(buf) < 16:
+        return None, []
+    count_at = 16 + int.from_bytes(buf[12:16], "little")
+    if count_at + 4 > len(buf):
+        return None, []
+    count = int.from_bytes(buf[count_at : count_at + 4], "little")
+    pos, out = count_at + 4, list[_DcTensor]()
+    while len(out) < min(count, limit) and pos + 4 <= len(buf):
+        name_end = pos + 4 + int.from_bytes(buf[pos : pos + 4], "little")
+        if name_end + 4 > len(buf):
+            break
+        ndim = int.from_bytes(buf[name_end : name_end + 4], "little")
+        if ndim > 8 or name_end + 4 + 4 * ndim > len(buf):
+            break
+        dims = struct.unpack_from(f"<{ndim}I", buf, name_end + 4)
+        end = name_end + 4 + 4 * ndim + 4 * math.prod(dims)
+        if end > len(buf):
+            break
+        out.append(_DcTensor(pos, name_end, name_end, dims, end))
+        pos = end
+    return count_at, out
+
+
+def _datacode_parts(buf: bytes) -> tuple[list[Field], list[Document]]:
+    """Version, JSON length, tensor count and each record's name length, ndim and dims."""
+    length = Field(12, 4, label="json length")
+    fields = [Field(8, 4, label="version"), length]
+    docs = []
+    n = int.from_bytes(buf[12:16], "little")
+    if 2 <= n <= len(buf) - 16 and _is_json(buf[16 : 16 + n]):
+        docs.append(Document(16, 16 + n, length))
+    count_at, tensors = _datacode_walk(buf)
+    if count_at is not None:
+        fields.append(Field(count_at, 4, label="tensor count"))
+    for k, t in enumerate(tensors):
+        fields.append(Field(t.start, 4, label=f"tensor {k} name length"))
+        fields.append(Field(t.ndim_at, 4, label=f"tensor {k} ndim"))
+        fields += [
+            Field(t.ndim_at + 4 + 4 * i, 4, label=f"tensor {k} dim {i}") for i in range(len(t.dims))
+        ]
+    return fields, docs
+
+
+# .npy (cl-waffe2's tensors): magic, version, header length, header dict, data
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _npy_parts(buf: bytes) -> tuple[int, int, int]:
+    """``(size of the header length field, header start, header end)`` of a .npy buffer."""
+    size = 2 if buf[6:7] == b"\x01" else 4
+    start = 8 + size
+    return size, start, start + int.from_bytes(buf[8:start], "little")
+
+
+# bullet's tagged records: id, 0x0A, u64 count (older: u64 rows, u64 cols), count x f32
+@dataclass(frozen=True)
+class _Record:
+    """A tagged record: the id at ``[start, newline)``, its count field(s), its data up to ``end``."""
+
+    start: int
+    newline: int
+    old: bool  # rows, cols instead of count
+    end: int
+
+    @property
+    def count_at(self) -> int:
+        return self.newline + 1
+
+    @property
+    def data(self) -> int:
+        return self.newline + (17 if self.old else 9)
+
+
+def _records_walk(buf: bytes, old: bool, limit: int = 10_000) -> list[_Record]:
+    out: list[_Record] = []
+    pos = 0
+    while pos < len(buf) and len(out) < limit:
+        newline = buf.find(b"\n", pos, pos + 1025)
+        if newline <= pos or not all(0x20 <= c <= 0x7E for c in buf[pos:newline]):
+            break
+        width = 16 if old else 8
+        if newline + 1 + width > len(buf):
+            break
+        if old:
+            rows, cols = struct.unpack_from("<QQ", buf, newline + 1)
+            count = rows * cols
+        else:
+            count = struct.unpack_from("<Q", buf, newline + 1)[0]
+        end = newline + 1 + width + 4 * count
+        if end > len(buf):
+            break
+        out.append(_Record(pos, newline, old, end))
+        pos = end
+    return out
+
+
+def find_records(buf: bytes) -> list[_Record]:
+    """bullet's tagged records at the start of ``buf`` (the variant that frames more of it)."""
+    best: list[_Record] = []
+    for old in (False, True):
+        recs = _records_walk(buf, old)
+        if recs and (not best or recs[-1].end > best[-1].end):
+            best = recs
+    return best
+
+
+def _record_fields(records: Sequence[_Record]) -> list[Field]:
+    out = []
+    for r in records:
+        ident = f"record@{r.start}"
+        if r.old:
+            out += [
+                Field(r.count_at, 8, label=f"{ident} rows"),
+                Field(r.count_at + 8, 8, label=f"{ident} cols"),
+            ]
+        else:
+            out.append(Field(r.count_at, 8, label=f"{ident} count"))
+    return out
+
+
+_STEP_LINE = re.compile(rb"[ -+\--~]+,[0-9]+\r?")
+
+
+def _is_step_text(buf: bytes) -> bool:
+    """Lines ``id,step`` (bullet's step.txt)."""
+    if not _STEP_LINE.match(buf[:1100]) or len(buf) > 1 << 20:
+        return False
+    lines = buf.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return bool(lines) and len(lines) <= 10_000 and all(_STEP_LINE.fullmatch(x) for x in lines)
+
+
+_WF2_KEY = re.compile(r"(?:missing_)?(?:param|optimizer):")
+
+
+def _wf2_document(buf: bytes) -> dict[str, Any] | None:
+    """A cl-waffe2 parameters.json (an object whose first key is a state-dict key), else None."""
+    if buf.lstrip()[:1] != b"{":
+        return None
+    try:
+        doc = json.loads(buf)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(doc, dict) and doc and _WF2_KEY.match(next(iter(doc))):
+        return doc
+    return None
+
+
 def find_fields(buf: bytes) -> tuple[list[Field], list[Document]]:
     """Length/count fields and JSON documents in ``buf``, recognised from its content."""
     if buf[:4] in (_TL_MAGIC, b"TLLM"):
         return _tinyllama_fields(buf), []
     if buf[:4] == b"PK\x03\x04" or buf[-22:-18] == b"PK\x05\x06":
         return _zip_fields(buf), []
+    if buf[:8] == _DC_MAGIC:
+        return _datacode_parts(buf)
+    if buf[:6] == _NPY_MAGIC and len(buf) >= 10:
+        size = _npy_parts(buf)[0]
+        return [Field(8, size, label="npy header length")], []
     stripped = buf.lstrip()
     if stripped[:1] in (b"{", b"[") and _is_json(buf):
         return [], [Document(0, len(buf))]
@@ -278,6 +492,9 @@ def find_fields(buf: bytes) -> tuple[list[Field], list[Document]]:
         fields, docs = _safetensors_parts(buf)
         if docs:
             return fields, docs
+    records = find_records(buf)
+    if records:
+        return _record_fields(records), []
     framed = _framed_documents(buf)
     if framed:
         return [d.length for d in framed if d.length is not None], framed
@@ -309,9 +526,10 @@ def _field_values(old: int, size: int, rng: random.Random) -> int:
 
 def _set_field(buf: bytearray, f: Field, value: int) -> None:
     if f.offset + f.size <= len(buf):
+        order: Any = f.order
         buf[f.offset : f.offset + f.size] = (value & ((1 << (8 * f.size)) - 1)).to_bytes(
-            f.size, f.order
-        )  # type: ignore[arg-type]
+            f.size, order
+        )
 
 
 def _mutate_field(buf: bytes, rng: random.Random, fields: Sequence[Field]) -> tuple[bytes, str]:
@@ -506,11 +724,532 @@ def _mutate_bytes(buf: bytes, rng: random.Random) -> tuple[bytes, str]:
     return buf[:at] + buf[at : at + k] * 2 + buf[at + k :], f"duplicate {k} at {at}"
 
 
+# --------------------------------------------------------------------------
+# mutations of the newer containers: DataCode records, .npy, tagged records,
+# step.txt lines, cl-waffe2 parameters.json
+# --------------------------------------------------------------------------
+
+#: Mutations that multiply content (many lines, many layers) stop growing it beyond this.
+_GROW_LIMIT = 32 << 20
+
+
+def _u32(v: int) -> bytes:
+    return (v & 0xFFFFFFFF).to_bytes(4, "little")
+
+
+def _dc_record(name: bytes, dims: Sequence[int], data: bytes) -> bytes:
+    head = _u32(len(name)) + name + _u32(len(dims)) + b"".join(_u32(d) for d in dims)
+    return head + data
+
+
+def _dc_names(rng: random.Random, old: bytes) -> bytes:
+    m = re.fullmatch(rb"layer(\d+)\.(weight|bias)", old)
+    k, part = (int(m.group(1)), m.group(2)) if m else (0, b"weight")
+    other = b"bias" if part == b"weight" else b"weight"
+    return rng.choice(
+        [
+            b"layer%d.%s" % (k + 1, part), b"layer%d.%s" % (max(k - 1, 0), part),
+            b"layer%d.%s" % (k, other), b"layer0%d.%s" % (k, part), b"layer-1.%s" % part,
+            b"layer4294967296.%s" % part, b"layer99999999999.%s" % part,
+            b"layer%d.Weight" % k, b"layer%d" % k, b"", b".", b"layer%d.%s\0" % (k, part),
+            b"\xff\xfe" + old, old + b"\xc3", "layer%d.%s\u0661".encode() % (k, part),
+            b"x" * 64, b"x" * 65, b"l" * 1000,
+        ]
+    )  # fmt: skip
+
+
+def _mutate_datacode(buf: bytes, rng: random.Random) -> tuple[bytes, str]:
+    """Record-level mutations of a DataCode file, and architecture edits of its JSON."""
+    count_at, tensors = _datacode_walk(buf)
+    kind = rng.randrange(8)
+    if kind == 0 or count_at is None or not tensors:
+        return _mutate_architecture(buf, rng)
+    head, tail = buf[: count_at + 4], buf[tensors[-1].end :]
+    records = [buf[t.start : t.end] for t in tensors]
+    count = int.from_bytes(buf[count_at : count_at + 4], "little")
+    k = rng.randrange(len(tensors))
+    t = tensors[k]
+    how = ""
+    if kind == 1:
+        a, b = t.name
+        name = _dc_names(rng, buf[a:b])
+        n = len(name) if rng.random() < 0.9 else rng.choice((len(name) + 1, 0, 0xFFFFFFFF))
+        records[k] = _u32(n) + name + buf[b : t.end]
+        how = f"rename tensor {k} {buf[a:b][:30]!r} -> {name[:30]!r} (length {n})"
+    elif kind == 2 and len(records) > 1:
+        i, j = rng.sample(range(len(records)), 2)
+        records[i], records[j] = records[j], records[i]
+        how = f"swap tensors {i} {j}"
+    elif kind == 3:
+        records.insert(k, records[k])
+        if rng.random() < 0.5:
+            count += 1
+        how = f"duplicate tensor {k} (count {count})"
+    elif kind == 4:
+        del records[k]
+        if rng.random() < 0.5:
+            count -= 1
+        how = f"drop tensor {k} (count {count})"
+    elif kind == 5:
+        a, b = t.name
+        data = buf[t.ndim_at + 4 + 4 * len(t.dims) : t.end]
+        n = len(data) // 4
+        r, c = (*t.dims, 1, 1)[:2]
+        dims = rng.choice(
+            [
+                (c, r), (n,), (1, n), (n, 1), (r, c, 1), (0,), (0, c), (), (r + 1, c), (r, c + 1),
+                (max(r - 1, 0), c), (n + 1,), (0xFFFFFFFF, 0), (0, 0xFFFFFFFF), (1,) * 8,
+            ]
+        )  # fmt: skip
+        want = 4 * math.prod(dims)
+        if want <= 1 << 20 and rng.random() < 0.8:  # keep the data consistent with the dims
+            data = (data + bytes(want))[:want]
+        records[k] = _dc_record(buf[a:b], dims, data)
+        how = f"tensor {k} dims {list(t.dims)} -> {list(dims)} ({len(data)} data bytes)"
+    elif kind == 6:
+        cut = rng.randrange(t.start, t.end + 1)
+        records[k] = buf[t.start : cut]
+        del records[k + 1 :]
+        how = f"truncate inside tensor {k} at {cut}"
+    else:
+        tail += rng.choice((b"\0", b"\0" * 4, records[k][:4], records[k]))
+        how = f"{len(tail)} trailing bytes"
+    head = head[:count_at] + _u32(count)
+    return head + b"".join(records) + tail, how or "datacode no-op"
+
+
+_DC_TYPES = ["Linear", "ReLU", "Sigmoid", "Tanh", "Softmax", "Flatten", "Conv2d", "linear", ""]
+_DC_COUNTS = [0, 1, -1, 2**32 - 1, 2**32, 2**64, 1.0, 1.5, "3", None, True, 10**400]
+
+
+def _mutate_architecture(buf: bytes, rng: random.Random) -> tuple[bytes, str]:
+    """An edit that means something to DataCode: layer types, feature counts, the layer list."""
+    n = int.from_bytes(buf[12:16], "little")
+    try:
+        doc = json.loads(buf[16 : 16 + n])
+    except (ValueError, RecursionError):
+        return _mutate_bytes(buf, rng)
+    layers = doc.get("layers") if isinstance(doc, dict) else None
+    kind = rng.randrange(9)
+    if not isinstance(layers, list) or not layers or not isinstance(doc, dict):
+        kind = 8
+    i = rng.randrange(len(layers)) if isinstance(layers, list) and layers else 0
+    entry = layers[i] if isinstance(layers, list) and layers else None
+    if kind == 0 and isinstance(entry, dict):
+        entry["type"] = rng.choice(_DC_TYPES)
+        how = f"layers[{i}].type = {entry['type']!r}"
+    elif kind in (1, 2) and isinstance(entry, dict):
+        key = rng.choice(("in_features", "out_features"))
+        old = entry.get(key)
+        entry[key] = rng.choice([*_DC_COUNTS, old + 1 if type(old) is int else 2])
+        how = f"layers[{i}].{key} = {str(entry[key])[:30]}"
+    elif kind == 3 and isinstance(entry, dict):
+        key = rng.choice(("trainable", "name"))
+        entry[key] = rng.choice([1, 0, None, "true", "layer9", "", ["x"]])
+        how = f"layers[{i}].{key} = {entry[key]!r}"
+    elif kind == 4 and isinstance(layers, list):
+        what = rng.choice(("drop", "duplicate", "relu", "reverse", "many"))
+        if what == "drop":
+            del layers[i]
+        elif what == "duplicate":
+            layers.insert(i, layers[i])
+        elif what == "relu":
+            layers.insert(i, {"type": "ReLU", "name": f"layer{i}"})
+        elif what == "reverse":
+            layers.reverse()
+        else:  # a mutant of a mutant stays below _GROW_LIMIT
+            layers *= 500 if len(buf) * 500 <= _GROW_LIMIT else 2
+        how = f"layers: {what} at {i}"
+    elif kind == 5:
+        doc["_datacode_file"] = rng.choice([{"variant": "later"}, None, "x"])
+        how = "reserved key"
+    elif kind == 6:
+        doc["training"] = rng.choice(["x", [], {"stages": "x"}, {"stages": [1]}, {"stages": [{}]}])
+        how = f"training = {doc['training']!r}"
+    elif kind == 7:
+        doc["device"] = rng.choice([1, None, "", "cuda", ["cpu"]])
+        how = f"device = {doc['device']!r}"
+    else:
+        doc = rng.choice([[], "x", None, 1, {}, {"layers": {}}, {"layers": [[]]}])
+        how = f"document = {doc!r}"
+    text = json.dumps(doc, separators=(",", ":")).encode()
+    return buf[:12] + _u32(len(text)) + text + buf[16 + n :], f"architecture {how}"
+
+
+def _npy_shapes(n: int) -> list[str]:
+    return [
+        "()", "(0,)", f"({n + 1},)", f"({max(n - 1, 0)},)", f"({n}, 1)", f"(1, {n})",
+        f"({2**63},)", f"({2**64},)", f"({2**62}, 0)", f"(0, {2**64})", f"(0, {2**63 - 1})",
+        "(-1,)", "(1,)" if n != 1 else "(2,)", "(" + "1, " * 33 + ")", "(" + "1, " * 70 + ")",
+        f"[{n}]", "(1.5,)", "(True,)", f"'{n}'", "None", f"({n}, {2**62})", "(" * 200 + ")" * 200,
+        "1" * 5000,
+    ]  # fmt: skip
+
+
+_NPY_DESCRS = [
+    "'<f8'", "'>f4'", "'<f2'", "'<i4'", "'|u1'", "'|b1'", "'<c8'", "'|O'", "'O'", "'<U0'",
+    "'<U2'", "'|S0'", "'|V4'", "'<M8[s]'", "'<m8'", "'x'", "''", "[('a', '<f4')]",
+    "('<f4', (2,))", "'<f4,<f4'", "None", "'<f16'", "'f4' * 1000", "b'<f4'", "'<f' + '4'",
+]  # fmt: skip
+_NPY_HEADERS = [
+    "{}", "[]", "{'descr': '<f4'}", "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), 'x': 1}",
+    "{'descr': '<f4', 'fortran_order': False, 'shape': (2,)", "(" * 5000 + ")" * 5000, "1" * 5000,
+    "{'descr': '<f4', 'descr': '<f8', 'fortran_order': False, 'shape': (2,)}", "\udcff",
+    "{'descr': '<f4', 'fortran_order': False, 'shape': (2,)} # \xe9", "__import__('os')",
+]  # fmt: skip
+
+
+def _mutate_npy(buf: bytes, rng: random.Random) -> tuple[bytes, str]:
+    """Header-length, shape, descr, fortran_order, version and truncation mutations of a .npy."""
+    _, start, end = _npy_parts(buf)
+    header = buf[start:end].decode("latin-1").rstrip(" \n")
+    data = buf[end:]
+    m = re.search(r"'shape':\s*\(([0-9, ]*)\)", header)
+    n = math.prod(int(x) for x in m.group(1).replace(" ", "").split(",") if x) if m else 1
+    version = buf[6:8]
+    kind = rng.randrange(7)
+    if kind == 0:
+        new = rng.choice(_npy_shapes(n))
+        header, how = re.sub(r"'shape':\s*(\([^)]*\)|[^,}]*)", f"'shape': {new}", header), new
+    elif kind == 1:
+        new = rng.choice(_NPY_DESCRS)
+        header, how = re.sub(r"'descr':\s*'[^']*'", f"'descr': {new}", header), new
+    elif kind == 2:
+        new = rng.choice(["True", "1", "'False'", "None", "0", "False or True"])
+        header, how = re.sub(r"'fortran_order':\s*\w+", f"'fortran_order': {new}", header), new
+        if new == "True" and rng.random() < 0.5:
+            header = re.sub(r"'shape':\s*\(([0-9]+),\)", r"'shape': (1, \1)", header)
+    elif kind == 3:
+        header = rng.choice(_NPY_HEADERS)
+        how = f"header {header[:30]!r}"
+    elif kind == 4:
+        version = rng.choice((b"\x02\x00", b"\x03\x00", b"\x00\x00", b"\x01\x01", b"\x09\x09"))
+        how = f"version {version!r}"
+        if rng.random() < 0.5:  # keep the old width of the length field: a lying layout
+            return buf[:6] + version + buf[8:], f"version {version!r} only"
+    elif kind == 5:
+        cut = rng.choice((0, 1, 4, len(data) // 2, len(data))) if data else 0
+        data = data[: len(data) - cut]
+        how = f"data short by {cut}"
+    else:
+        data += rng.choice((b"\0", b"\0" * 4, data[:64]))
+        how = "data with trailing bytes"
+    width = 2 if version[:1] == b"\x01" else 4
+    text = header.encode("utf-8" if version[:1] == b"\x03" else "latin-1", "surrogateescape")
+    consistent = rng.random() < 0.9
+    if consistent:  # numpy's padding: data 64-aligned, header ends in '\n'
+        text += b" " * (-(8 + width + len(text) + 1) % 64) + b"\n"
+    hlen = len(text) if consistent else rng.choice((0, len(text) + 1, len(text) - 1, 0xFFFF))
+    prefix = buf[:6] + version + (hlen % (1 << (8 * width))).to_bytes(width, "little")
+    return prefix + text + data, f"npy {how}" + ("" if consistent else f", header length {hlen}")
+
+
+def _record_bytes(ident: bytes, values: bytes, dims: tuple[int, int] | None = None) -> bytes:
+    if dims is None:
+        return ident + b"\n" + struct.pack("<Q", len(values) // 4) + values
+    return ident + b"\n" + struct.pack("<QQ", *dims) + values
+
+
+_IDS = [
+    b"", b"\0", b"\xff\xfe", b"\xc3\xa9", b"l0w\r", b"a" * 1024, b"a" * 1025, b"l0 w", b"l0w,1",
+    b"l99999999w", b"l0W", b"l01w", b"l1000000w", b"l999999b", b"\x7f", b"l-1w", b"\tl0w", b"l0",
+]  # fmt: skip
+
+
+def _mutate_records(buf: bytes, rng: random.Random) -> tuple[bytes, str]:
+    """Tagged-record mutations: lying counts, truncation, ids, order, the rows/cols variant."""
+    records = find_records(buf)
+    if not records:
+        return _mutate_bytes(buf, rng)
+    tail = buf[records[-1].end :]
+    ids = [buf[r.start : r.newline] for r in records]
+    values = [buf[r.data : r.end] for r in records]
+    dims: list[tuple[int, int] | None] = [
+        struct.unpack_from("<QQ", buf, r.count_at) if r.old else None for r in records
+    ]
+    k = rng.randrange(len(records))
+    r = records[k]
+    kind = rng.randrange(11)
+    if kind == 0:  # a count that lies (the field mutation sets edge values too)
+        count = len(values[k]) // 4
+        new = rng.choice((0, 1, count + 1, max(count - 1, 0), 2 * count, 2**64 - 1, 2**62, 2**61))
+        out = bytearray(buf)
+        out[r.count_at : r.count_at + 8] = new.to_bytes(8, "little")
+        return bytes(out), f"record {k} count {count} -> {new}"
+    if kind == 1:
+        at = rng.choice(
+            (r.start, r.start + 1, r.newline, r.count_at, r.count_at + 4, r.data, (r.data + r.end) // 2, r.end - 1)
+        )  # fmt: skip
+        return buf[:at], f"truncate record {k} at {at}"
+    if kind == 2:
+        ids[k] = rng.choice([*_IDS, ids[rng.randrange(len(ids))], ids[k] + b"\n"])
+        how = f"record {k} id -> {ids[k][:30]!r}"
+    elif kind == 3:  # the newline gone: the id runs into the count
+        return buf[: r.newline] + buf[r.newline + 1 :], f"record {k} id without newline"
+    elif kind == 4:
+        order = list(range(len(records)))
+        rng.shuffle(order) if rng.random() < 0.5 else order.reverse()
+        ids, values, dims = (
+            [ids[i] for i in order],
+            [values[i] for i in order],
+            [dims[i] for i in order],
+        )
+        how = f"records reordered {order}"
+    elif kind == 5:
+        j = rng.randrange(len(records) + 1)
+        ids.insert(j, ids[k])
+        values.insert(j, values[k])
+        dims.insert(j, dims[k])
+        how = f"record {k} duplicated at {j}"
+    elif kind == 6 and len(records) > 1:
+        del ids[k], values[k], dims[k]
+        how = f"record {k} dropped"
+    elif kind == 7:
+        ids.append(rng.choice((b"extra", b"l9w", b"l0x", b"slow")))
+        values.append(bytes(4 * rng.choice((0, 1, 3))))
+        dims.append(None if dims[k] is None else (len(values[-1]) // 4, 1))
+        how = f"record {ids[-1]!r} added"
+    elif kind == 8:  # a consistent count that disagrees with the other files
+        n = len(values[k]) // 4
+        new = rng.choice((0, 1, n + 1, max(n - 1, 0), 2 * n, n // 2))
+        values[k] = (values[k] + bytes(4 * new))[: 4 * new]
+        dims[k] = None if dims[k] is None else (new, 1)
+        how = f"record {k} resized {n} -> {new}"
+    elif kind == 9:  # the older rows/cols variant, for every record or for one
+        every = rng.random() < 0.7
+        pick = [
+            lambda n: (n, 1), lambda n: (1, n), lambda n: (0, 2**64 - 1), lambda n: (2**63, 0),
+            lambda n: (2**32, 2**32), lambda n: (n, 0), lambda n: (n + 1, 1),
+            lambda n: (n // 2, 2) if n % 2 == 0 else (n, 1),
+        ]  # fmt: skip
+        shape = rng.choice(pick)
+        for i in range(len(records)) if every else (k,):
+            rows, cols = dims[i] = shape(len(values[i]) // 4)
+            if rows * cols <= 1 << 20:  # the data follows the dims (else they lie)
+                values[i] = (values[i] + bytes(4 * rows * cols))[: 4 * rows * cols]
+        how = f"rows/cols variant ({'all' if every else k}): {dims[k]}"
+    else:
+        tail += rng.choice((b"\n", b"l0w", b"\0" * 3, buf[r.start : r.data]))
+        how = f"{len(tail)} trailing bytes"
+    body = b"".join(_record_bytes(i, v, d) for i, v, d in zip(ids, values, dims, strict=True))
+    return body + tail, how
+
+
+def _mutate_steps(buf: bytes, rng: random.Random) -> tuple[bytes, str]:
+    """Garbage in step.txt: malformed, huge or duplicated lines, unknown ids, encodings."""
+    lines = buf.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    ident = rng.choice(lines).rpartition(b",")[0] if lines else b"l0w"
+    garbage = [
+        b"", b",", ident, ident + b",", b",3", ident + b",-1", ident + b",+1", ident + b", 1",
+        ident + b",1 ", ident + b",1.0", ident + b",1e3", ident + b",0x10", ident + "\u0663".encode(),
+        ident + ",\u00b2".encode(), ident + b",9223372036854775807", ident + b",9223372036854775808",
+        ident + b"," + b"9" * 19, ident + b"," + b"9" * 5000, b"unknown,1", ident + b",1,2",
+        b"\0,1", ident + b"\r,1", "\ufeff".encode() + ident + b",1", ident + b",1\r\r",
+        b"\xff," + b"1", ident + b",\xff",
+    ]  # fmt: skip
+    kind = rng.randrange(5)
+    k = rng.randrange(len(lines) + 1)
+    if kind == 0:
+        lines.insert(k, rng.choice(garbage))
+        how = f"line {k} inserted: {lines[k][:30]!r}"
+    elif kind == 1 and lines:
+        k = min(k, len(lines) - 1)
+        lines[k] = rng.choice(garbage)
+        how = f"line {k} replaced: {lines[k][:30]!r}"
+    elif kind == 2 and lines:
+        k = min(k, len(lines) - 1)
+        lines.insert(k, lines[k])
+        how = f"line {k} duplicated"
+    elif kind == 3:
+        return b"\r\n".join(lines) + rng.choice((b"", b"\r\n")), "CRLF"
+    else:
+        lines = lines * (1000 if len(buf) * 1000 <= _GROW_LIMIT else 2)
+        how = f"{len(lines)} lines"
+    return b"\n".join(lines) + rng.choice((b"\n", b"\n", b"")), how
+
+
+_WF2_PATHS = [
+    "/etc/passwd", "/{b}", "/tmp/other.wf2model/{b}", "../{b}", "../../../etc/passwd", "..", ".",
+    "", "/", "{d}/", "{d}/..", "{d}/.", "{o}", "{d}/{o}", "missing.npy", "{d}/missing.npy",
+    "parameters.json", "pytreeio-waffe2.json", "{b}\0", "\0", "C:\\x\\{b}", "..\\{b}", "x" * 300,
+    "{B}", "./{b}", "{d}//{b}", "{d}/{b}/", "~/{b}", "{b}.npy", "sub/dir/{b}", "\udcff{b}",
+]  # fmt: skip
+_WF2_TYPES = [
+    "bit", "fixnum", "single-float", "double-float", "cputensor", "(integer 0 4611686018427387903)",
+    "(integer * *)", "(integer 5 1)", "(integer 0 " + "9" * 5000 + ")", "(integer -" + "9" * 5000 + ")",
+    "(integer)", "(integer 0 1 2)", "(unsigned-byte 8)", "", " ", "single float", "(integer 4611686018427387904)",
+]  # fmt: skip
+_WF2_NUMBERS = [2, -1, 2**62, 2**62 - 1, 2**70, -(2**70), 1.5, 1e308, -0.0, 0, 10**400, 1e-320]
+
+
+def _mutate_wf2(buf: bytes, rng: random.Random) -> tuple[bytes, str]:
+    """cl-waffe2 parameters.json: path strings escaping the directory, keys, numbers, spellings."""
+    doc = _wf2_document(buf)
+    if doc is None:
+        return _mutate_bytes(buf, rng)
+    items = list(doc.items())
+    paths = [i for i, (_, v) in enumerate(items) if isinstance(v, str)]
+    k = rng.randrange(len(items))
+    key, value = items[k]
+    kind = rng.randrange(6)
+    if kind in (0, 1) and paths:
+        k = rng.choice(paths)
+        key, value = items[k]
+        d, _, b = value.rpartition("/")
+        other = items[rng.choice(paths)][1].rpartition("/")[2]
+        new = rng.choice(_WF2_PATHS).format(b=b, d=d, o=other, B=b.upper())
+        items[k] = (key, new)
+        how = f"path of {key[:40]!r} -> {new[:40]!r}"
+    elif kind == 2:
+        prefix, _, rest = key.partition(":")
+        parts = rest.split(".")
+        which = rng.randrange(6)
+        if which in (0, 5) and len(parts) == 6:
+            parts[4] = rng.choice(_WF2_TYPES)
+        elif which == 1:
+            parts[min(1, len(parts) - 1)] = rng.choice(
+                ["-1", "x", "99999999999999999999", "00", "1" * 5000, ""]
+            )
+        elif which == 2:
+            parts = rng.choice(
+                [
+                    parts[:-1],
+                    [*parts, "x"],
+                    [*parts[:2], "", *parts[3:]],
+                    [p.upper() for p in parts],
+                ]
+            )
+        elif which == 3:
+            prefix = rng.choice(
+                [
+                    "params",
+                    "PARAM",
+                    "missing_param",
+                    "optimizer",
+                    "missing_optimizer",
+                    "",
+                    "param:x",
+                ]
+            )
+        else:
+            rest += rng.choice([":", "::", ".", ":x"])
+            parts = rest.split(".")
+        new_key = f"{prefix}:{'.'.join(parts)}"
+        items[k] = (new_key, value)
+        how = f"key {key[:40]!r} -> {new_key[:60]!r}"
+    elif kind == 3:
+        new_value: Any = rng.choice([*_WF2_NUMBERS, items[rng.choice(paths)][1] if paths else "x"])
+        items[k] = (key, new_value)
+        how = f"value of {key[:40]!r} -> {str(new_value)[:40]}"
+    elif kind == 4:  # the same entry twice: the other spelling of n, or the same key
+        spelled = key.replace("bit.n", "(integer 0 4611686018427387903).n")
+        if spelled == key:
+            spelled = key.replace("(integer 0 4611686018427387903).n", "bit.n")
+        items.insert(k + 1, (spelled, value))
+        text = "{" + ",".join(f"{json.dumps(a)}:{json.dumps(v)}" for a, v in items) + "}"
+        return text.encode(
+            "utf-8", "surrogatepass"
+        ), f"entry {key[:40]!r} twice as {spelled[:40]!r}"
+    else:
+        what = rng.choice(("drop", "reverse", "shuffle"))
+        if what == "drop":
+            del items[k]
+        elif what == "reverse":
+            items.reverse()
+        else:
+            rng.shuffle(items)
+        how = f"entries {what}"
+    text = json.dumps(dict(items), separators=(",", ":"), ensure_ascii=False)
+    return text.encode("utf-8", "surrogatepass"), how
+
+
+_ARG_VALUES = [0, -1, 1, 2, 2**40 + 1, 10**30, 1.5, 1e308, "3", None, True, False, [], {}]
+
+
+def _layer_list(buf: bytes) -> tuple[dict[str, Any], list[Any]] | None:
+    """A JSON object with a ``layers`` list of ``{"type", "args"}`` entries (pytreeio's sidecar)."""
+    if buf.lstrip()[:1] != b"{":
+        return None
+    try:
+        doc = json.loads(buf)
+    except (ValueError, RecursionError):
+        return None
+    layers = doc.get("layers") if isinstance(doc, dict) else None
+    if isinstance(layers, list) and any(isinstance(e, dict) and "args" in e for e in layers):
+        return doc, layers
+    return None
+
+
+def _mutate_layer_list(buf: bytes, rng: random.Random) -> tuple[bytes, str]:
+    """A layer list's args, types and length; a sidecar's shapes and counters."""
+    found = _layer_list(buf)
+    if found is None:
+        return _mutate_bytes(buf, rng)
+    doc, layers = found
+    i = rng.randrange(len(layers))
+    entry = layers[i]
+    kind = rng.randrange(5)
+    if kind in (0, 1) and isinstance(entry, dict) and isinstance(entry.get("args"), dict):
+        args = entry["args"]
+        key = rng.choice(
+            [*args, "groups", "kernel_size", "in_features", "in_channels", "stride", "x"]
+        )
+        args[key] = rng.choice(_ARG_VALUES)
+        how = f"layers[{i}].args.{key} = {str(args[key])[:30]}"
+    elif kind == 2 and isinstance(entry, dict):
+        entry["type"] = rng.choice(["Linear", "Conv2d", "BatchNorm2d", "ReLU", "x", None, 1])
+        how = f"layers[{i}].type = {entry['type']!r}"
+    elif kind == 3:
+        what = rng.choice(("drop", "duplicate", "empty"))
+        if what == "drop":
+            del layers[i]
+        elif what == "duplicate":
+            layers.insert(i, layers[i])
+        else:
+            layers.clear()
+        how = f"layers: {what} {i}"
+    else:
+        key = rng.choice(("shapes", "step", "count"))
+        shapes = doc.get("shapes")
+        if key == "shapes" and isinstance(shapes, dict) and shapes:
+            name = rng.choice(sorted(shapes))
+            shapes[name] = rng.choice([[], [0], [2**62], [2**61, 2], [-1], [1] * 40, [1.5], "x"])
+            how = f"shapes[{name[:30]!r}] = {shapes[name]!r:.30}"
+        else:
+            doc[key] = rng.choice([0, -1, 2**63, 2**64, 1.5, "3", None, True])
+            how = f"{key} = {doc[key]!r}"
+    return json.dumps(doc, separators=(",", ":")).encode(), how
+
+
+def _shaped(buf: bytes) -> list[Callable[[bytes, random.Random], tuple[bytes, str]]]:
+    """The structure-aware mutators that apply to ``buf``, recognised from its content."""
+    if buf[:4] in (_TL_MAGIC, b"TLLM", b"PK\x03\x04") or _looks_msgpack(buf):
+        return []
+    if buf[:8] == _DC_MAGIC:
+        return [_mutate_datacode]
+    if buf[:6] == _NPY_MAGIC and len(buf) >= 10:
+        return [_mutate_npy]
+    if buf.lstrip()[:1] == b"{":
+        if _wf2_document(buf) is not None:
+            return [_mutate_wf2]
+        return [_mutate_layer_list] if _layer_list(buf) is not None else []
+    if _is_step_text(buf):
+        return [_mutate_steps]
+    if find_records(buf):
+        return [_mutate_records]
+    return []
+
+
 def _looks_msgpack(buf: bytes) -> bool:
     return bool(buf) and (0x80 <= buf[0] <= 0x8F or buf[0] in (0xDE, 0xDF))
 
 
 def _mutate_file(buf: bytes, rng: random.Random) -> tuple[bytes, str]:
+    shaped = _shaped(buf)
+    if shaped and rng.random() < 0.45:
+        return rng.choice(shaped)(buf, rng)
     fields, docs = find_fields(buf)
     r = rng.random()
     if docs and r < 0.45:
@@ -522,36 +1261,62 @@ def _mutate_file(buf: bytes, rng: random.Random) -> tuple[bytes, str]:
     return _mutate_bytes(buf, rng)
 
 
+def _member_kind(buf: bytes) -> str:
+    if buf[:6] == _NPY_MAGIC:
+        return "npy"
+    if buf[:4] == b"PK\x03\x04":
+        return "zip"
+    if buf.lstrip()[:1] in (b"{", b"["):
+        return "json"
+    if find_records(buf):
+        return "records"
+    return "other"
+
+
+def _mutate_mapping(data: Mapping[str, bytes], rng: random.Random) -> tuple[Input, list[str]]:
+    """One member mutated (one to three times), or one change to the set of members."""
+    files = dict(data)
+    r = rng.random()
+    if not files or r < 0.8:
+        # a kind of member first (.npy, JSON, records...), so that the one parameters.json
+        # of a directory of twelve .npy files gets its share
+        kinds: dict[str, list[str]] = {}
+        for name in sorted(files):
+            kinds.setdefault(_member_kind(files[name]), []).append(name)
+        role = rng.choice(kinds[rng.choice(sorted(kinds))]) if files else "x"
+        content, how = files.get(role, b""), []
+        for _ in range(rng.choice((1, 1, 1, 2, 3))):
+            content, what = _mutate_file(content, rng)
+            how.append(f"{role}: {what}")
+        files[role] = content
+        return files, how
+    role = rng.choice(sorted(files))
+    if r < 0.84 and len(files) > 1:
+        del files[role]
+        return files, [f"drop {role}"]
+    if r < 0.88:
+        files[role] = b""
+        return files, [f"empty {role}"]
+    if r < 0.92 and len(files) > 1:
+        a, b = rng.sample(sorted(files), 2)
+        files[a], files[b] = files[b], files[a]
+        return files, [f"swap {a} {b}"]
+    if r < 0.96:
+        new = rng.choice((role + ".bak", "sub/" + role, "../" + role, role.upper(), "/" + role))
+        files[new] = files.pop(role)
+        return files, [f"rename {role} {new}"]
+    files["unexpected.bin"] = b"\0" * 8
+    return files, ["add unexpected.bin"]
+
+
 def mutate(data: Input, rng: random.Random) -> tuple[Input, list[str]]:
-    """One to three mutations of a seed (bytes, or a mapping of role -> bytes)."""
+    """One to three mutations of a seed; of a mapping (role -> bytes), of one member."""
+    if isinstance(data, Mapping):
+        return _mutate_mapping(data, rng)
     how: list[str] = []
     for _ in range(rng.choice((1, 1, 1, 2, 3))):
-        if isinstance(data, Mapping):
-            files = dict(data)
-            r = rng.random()
-            if not files or r < 0.8:
-                role = rng.choice(sorted(files)) if files else "x"
-                files[role], what = _mutate_file(files.get(role, b""), rng)
-                how.append(f"{role}: {what}")
-            elif r < 0.85 and len(files) > 1:
-                role = rng.choice(sorted(files))
-                del files[role]
-                how.append(f"drop {role}")
-            elif r < 0.9:
-                role = rng.choice(sorted(files))
-                files[role] = b""
-                how.append(f"empty {role}")
-            elif r < 0.95 and len(files) > 1:
-                a, b = rng.sample(sorted(files), 2)
-                files[a], files[b] = files[b], files[a]
-                how.append(f"swap {a} {b}")
-            else:
-                files["unexpected.bin"] = b"\0" * 8
-                how.append("add unexpected.bin")
-            data = files
-        else:
-            data, what = _mutate_file(data, rng)
-            how.append(what)
+        data, what = _mutate_file(data, rng)
+        how.append(what)
     return data, how
 
 
@@ -564,9 +1329,23 @@ class _Timeout(BaseException):
     """Raised by the alarm; a BaseException so that no decoder's ``except Exception`` eats it."""
 
 
+#: Memory an input may cost beyond its own size (DESIGN.md "Guarantees": input + 64 MB).
+MEMORY_ALLOWANCE = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Seed:
+    """A seed input and the load options ``decode`` is called with for it and its mutants
+    (``saved_format=`` for bullet, ``variant=`` for DataCode); plain inputs take none."""
+
+    data: Input
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class Failure:
-    """One input that made a format raise something other than a PytreeioError (or hang)."""
+    """One input that made a format raise something other than a PytreeioError, hang, or
+    use more memory than its size + :data:`MEMORY_ALLOWANCE`."""
 
     index: int
     stage: str
@@ -574,22 +1353,39 @@ class Failure:
     mutations: list[str]
     saved: Path | None
     where: str
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
+        opts = f"\n    decode options: {_short(self.options)}" if self.options else ""
         return (
             f"#{self.index} {self.stage}: {self.error}\n    at {self.where}\n"
-            f"    mutations: {'; '.join(self.mutations)}\n    input: {self.saved}"
+            f"    mutations: {'; '.join(self.mutations)}{opts}\n    input: {self.saved}"
         )
+
+
+def _short(options: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={str(v)[:60]}" for k, v in options.items())
 
 
 @dataclass
 class FuzzReport:
-    """Counts per stage and outcome (``decode:ok``, ``inspect:FormatError``...), and failures."""
+    """Counts per stage and outcome (``decode:ok``, ``inspect:FormatError``...), failures,
+    and the worst memory and time of any one input.
+
+    ``worst_memory_ratio`` is the largest ``peak growth / (input size + 64 MiB)``
+    (above 1 is a failure); ``worst_memory`` that input's peak growth in bytes and
+    ``worst_memory_input`` its size; ``worst_seconds`` the longest time one input
+    took through all stages.
+    """
 
     format: str
     inputs: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
     failures: list[Failure] = field(default_factory=list)
+    worst_memory_ratio: float = 0.0
+    worst_memory: int = 0
+    worst_memory_input: int = 0
+    worst_seconds: float = 0.0
 
     def summary(self) -> str:
         by_stage: dict[str, list[str]] = {}
@@ -598,6 +1394,11 @@ class FuzzReport:
             by_stage.setdefault(stage, []).append(f"{outcome} {count}")
         lines = [f"{self.format}: {self.inputs} inputs, {len(self.failures)} failures"]
         lines += [f"  {stage}: {', '.join(parts)}" for stage, parts in by_stage.items()]
+        lines.append(
+            f"  worst memory: {self.worst_memory_ratio:.4f} of the bound (peak growth "
+            f"{self.worst_memory:,} B for a {self.worst_memory_input:,} B input); "
+            f"worst time: {self.worst_seconds:.3f} s per input"
+        )
         lines += [f"  FAIL {f}" for f in self.failures[:10]]
         return "\n".join(lines)
 
@@ -606,6 +1407,12 @@ def _sources(data: Input) -> Any:
     if isinstance(data, Mapping):
         return {k: BufferSource(v, name=k) for k, v in data.items()}
     return BufferSource(data)
+
+
+def _size(data: Input) -> int:
+    if isinstance(data, Mapping):
+        return sum(len(v) for v in data.values())
+    return len(data)
 
 
 def _host(tree: Any) -> Any:
@@ -630,7 +1437,7 @@ class _Deadline:
 
     def __enter__(self) -> None:
         def expire(signum: int, frame: Any) -> None:
-            raise _Timeout(f"no answer within {self.seconds} s")
+            raise _Timeout(f"no answer within {self.seconds:.3g} s")
 
         self.old = signal.signal(signal.SIGALRM, expire)
         signal.setitimer(signal.ITIMER_REAL, self.seconds)
@@ -645,7 +1452,7 @@ def _save(data: Input, fmt_name: str, index: int, out_dir: list[Path]) -> Path:
         out_dir.append(Path(tempfile.mkdtemp(prefix=f"pytreeio-fuzz-{fmt_name}-")))
     path = out_dir[0] / f"input-{index}"
     if isinstance(data, Mapping):
-        path.mkdir()
+        path.mkdir(exist_ok=True)
         for role, content in data.items():
             safe = role.replace("/", "__").replace("\\", "__") or "_"
             (path / safe).write_bytes(content)
@@ -661,26 +1468,40 @@ def _where(exc: BaseException) -> str:
 
 
 def _run_one(
-    fmt: registry.Format, data: Input, like: Any, deadline: float
+    fmt: registry.Format,
+    data: Input,
+    like: Any,
+    deadline: float,
+    options: Mapping[str, Any] | None = None,
 ) -> Iterator[tuple[str, BaseException | None]]:
-    """Each stage's outcome for one input (None = returned normally)."""
+    """Each stage's outcome for one input (None = returned normally); ``deadline`` seconds
+    for all the stages together."""
     native = meta = None
+    end = time.monotonic() + deadline
     for stage in ("decode", "inspect", "restore", "to_model"):
         if stage in ("restore", "to_model") and native is None:
             continue
         if stage == "to_model" and getattr(fmt, "to_model", None) is None:
             continue
+        left = end - time.monotonic()
+        if left <= 0:
+            yield stage, _Timeout(f"no time left of {deadline} s for this input")
+            return
         try:
-            with _Deadline(deadline):
+            with _Deadline(left) if math.isfinite(left) else contextlib.nullcontext():
                 if stage == "decode":
-                    native, meta = fmt.decode(data)
+                    native, meta = fmt.decode(data, **(options or {}))
                 elif stage == "inspect":
                     fmt.inspect(_sources(data))
                 elif stage == "restore":
                     fmt.restore(native, meta, like)
                 else:
-                    fmt.to_model(native, meta)
-        except (Exception, _Timeout) as exc:
+                    to_model: Any = fmt.to_model
+                    to_model(native, meta)
+        except _Timeout as exc:
+            yield stage, exc
+            return
+        except Exception as exc:
             yield stage, exc
         else:
             yield stage, None
@@ -688,40 +1509,108 @@ def _run_one(
 
 def fuzz_format(
     fmt_name: str | registry.Format,
-    seeds: Sequence[Input],
+    seeds: Sequence[Input | Seed],
     n: int,
     rng_seed: int,
     *,
     timeout: float = 2.0,
     save_dir: Path | None = None,
 ) -> FuzzReport:
-    """Run ``n`` mutated inputs through ``fmt``'s pure functions; see the module doc."""
+    """Run ``n`` mutated inputs through ``fmt``'s pure functions; see the module doc.
+
+    ``timeout`` bounds each input (all its stages together); the peak memory
+    of each input (tracemalloc) may grow by at most its size + 64 MiB.
+    """
     fmt = registry.get(fmt_name) if isinstance(fmt_name, str) else fmt_name
     if not seeds:
         raise ValueError(f"no seeds for {fmt.name}")
+    plan = [s if isinstance(s, Seed) else Seed(s) for s in seeds]
     rng = random.Random(rng_seed)
     likes = []
-    for seed in seeds:
-        native, _meta = fmt.decode(seed)  # seeds must be valid: a bad seed is a test bug
-        likes.append(_host(native))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for seed in plan:  # seeds must be valid: a bad seed is a test bug
+            native, _meta = fmt.decode(seed.data, **seed.options)
+            likes.append(_host(native))
+        for seed, like in zip(plan, likes, strict=True):
+            # every stage once, untimed: lazy imports (jax) happen here, not under the alarm
+            for _stage, _exc in _run_one(fmt, seed.data, like, float("inf"), seed.options):
+                pass
     report = FuzzReport(fmt.name)
     out_dir: list[Path] = [save_dir] if save_dir is not None else []
-    for index in range(n):
-        k = rng.randrange(len(seeds))
-        data, how = mutate(seeds[k], rng)
-        report.inputs += 1
-        for stage, exc in _run_one(fmt, data, likes[k], timeout):
-            if exc is None:
-                report.outcomes[f"{stage}:ok"] += 1
-                continue
-            name = type(exc).__name__
-            report.outcomes[f"{stage}:{name}"] += 1
-            if not isinstance(exc, PytreeioError):
-                saved = _save(data, fmt.name, index, out_dir)
-                report.failures.append(
-                    Failure(index, stage, f"{name}: {str(exc)[:200]}", how, saved, _where(exc))
-                )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # warnings (a stale sidecar...) are answers too
+        for index in range(n):
+            k = rng.randrange(len(plan))
+            data, how = mutate(plan[k].data, rng)
+            _fuzz_one(fmt, report, index, data, how, plan[k], likes[k], timeout, out_dir)
     return report
+
+
+class _PeakMemory:
+    """The peak of memory allocated (tracemalloc) inside the block, beyond what was before.
+
+    Traces only the block when nothing traced before (tracing slows every
+    allocation several times over; mutating needs none), else resets the
+    running trace's peak.
+    """
+
+    def __enter__(self) -> _PeakMemory:
+        self.own = not tracemalloc.is_tracing()
+        if self.own:
+            tracemalloc.start()
+            self.base = 0
+        else:
+            self.base = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.growth = tracemalloc.get_traced_memory()[1] - self.base
+        if self.own:
+            tracemalloc.stop()
+
+
+def _fuzz_one(
+    fmt: registry.Format,
+    report: FuzzReport,
+    index: int,
+    data: Input,
+    how: list[str],
+    seed: Seed,
+    like: Any,
+    timeout: float,
+    out_dir: list[Path],
+) -> None:
+    report.inputs += 1
+    bad: list[tuple[str, str, str]] = []  # (stage, error, where)
+    outcomes: list[tuple[str, BaseException | None]] = []
+    started = time.perf_counter()
+    with _PeakMemory() as memory:
+        outcomes = list(_run_one(fmt, data, like, timeout, seed.options))
+    seconds = time.perf_counter() - started
+    for stage, exc in outcomes:
+        if exc is None:
+            report.outcomes[f"{stage}:ok"] += 1
+            continue
+        name = type(exc).__name__
+        report.outcomes[f"{stage}:{name}"] += 1
+        if not isinstance(exc, PytreeioError):
+            bad.append((stage, f"{name}: {str(exc)[:200]}", _where(exc)))
+    del outcomes
+    growth = memory.growth
+    size = _size(data)
+    ratio = growth / (size + MEMORY_ALLOWANCE)
+    report.worst_seconds = max(report.worst_seconds, seconds)
+    if ratio > report.worst_memory_ratio:
+        report.worst_memory_ratio, report.worst_memory = ratio, growth
+        report.worst_memory_input = size
+    if ratio > 1:
+        report.outcomes["memory:over"] += 1
+        bad.append(("memory", f"peak growth {growth:,} B > {size:,} B input + 64 MiB", "?"))
+    saved = _save(data, fmt.name, index, out_dir) if bad else None
+    for stage, error, where in bad:
+        report.failures.append(Failure(index, stage, error, how, saved, where, seed.options))
 
 
 # --------------------------------------------------------------------------
@@ -837,38 +1726,146 @@ def _netcl_seeds(name: str, rng: np.random.Generator) -> list[Input]:
     ]
 
 
-def default_seeds(fmt_name: str, rng_seed: int = 0, conformance: Path | None = None) -> list[Input]:
+def _datacode_seeds(
+    rng: np.random.Generator, conformance: Path | None = None
+) -> list[Input | Seed]:
+    from pytreeio.fmt import datacode as dc
+
+    native = {
+        "layer0": {"weight": _f32(rng, 4, 3), "bias": _f32(rng, 3)},
+        "layer2": {"weight": _f32(rng, 3, 2), "bias": _f32(rng, 2)},
+    }
+    meta = {"layers": ["Linear", "ReLU", "Linear"]}
+    seeds: list[Input | Seed] = [
+        dc.encode(native, meta=meta, variant=v).tobytes() for v in dc.VARIANTS
+    ]
+    square = {"layer0": {"weight": _f32(rng, 2, 2), "bias": _f32(rng, 1, 2)}}  # bias [1, out]
+    seeds.append(Seed(dc.encode(square, variant="later").tobytes(), {"variant": "later"}))
+    for path in sorted(((conformance or CONFORMANCE) / "datacode").glob("*.nn")):
+        seeds.append(path.read_bytes())
+    return seeds
+
+
+def _directory(path: Path) -> dict[str, bytes]:
+    """A checkpoint directory's files by relative POSIX path."""
+    return {
+        p.relative_to(path).as_posix(): p.read_bytes()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _waffe2_seeds(rng: np.random.Generator, conformance: Path | None = None) -> list[Input | Seed]:
+    from pytreeio.fmt import waffe2
+
+    root = (conformance or CONFORMANCE) / "waffe2"
+    seeds: list[Input | Seed] = [_directory(d) for d in sorted(root.glob("*.wf2model"))]
+
+    def adam(*shape: int) -> dict[str, Any]:
+        moments = {"m": _f32(rng, *shape), "v": np.abs(_f32(rng, *shape))}
+        return {"adam": {"lr": 0.01, "eps": 1e-07, "beta1": 0.9, "beta2": 0.999, "n": 3, **moments}}
+
+    params = {
+        "0": {"weights": _f32(rng, 3, 4), "bias": _f32(rng, 3)},
+        "1": {"weights": _f32(rng, 2, 3)},
+    }
+    opt = {"0": {"weights": adam(3, 4), "bias": adam(3)}, "1": {"weights": {"sgd": {"lr": 0.1}}}}
+    tree = {"param": {"linearlayer": params}, "optimizer": {"linearlayer": opt}}
+    # 2-D arrays: pytreeio's sidecar holds their shapes
+    seeds.append(_files(waffe2.encode(tree, dest="ours.wf2model")))
+    layers = [
+        {"type": "Linear", "args": {"in_features": 4, "out_features": 3}},
+        "Sigmoid",
+        {"type": "Linear", "args": {"in_features": 3, "out_features": 2, "bias": False}},
+    ]
+    meta = {"layers": layers, "step": 3}
+    seeds.append(
+        _files(waffe2.encode(tree, meta=meta, save_dir="./ours.wf2model", optimizers=False))
+    )
+    # a grouped convolution: the sidecar's layer list gives the shapes to_model needs
+    conv = {"0": {"weight": _f32(rng, 4, 2, 3, 3), "bias": _f32(rng, 4)}}
+    args = {"in_channels": 4, "out_channels": 4, "kernel_size": 3, "groups": 2}
+    meta = {"layers": [{"type": "Conv2d", "args": args}, "ReLU"], "count": 2}
+    seeds.append(_files(waffe2.encode({"param": {"conv2d": conv}}, meta=meta)))
+    return seeds
+
+
+def _records_old(buf: bytes, shapes: Mapping[bytes, tuple[int, int]]) -> bytes:
+    """A tagged-record file in the older rows/cols variant (``shapes``: id -> (rows, cols))."""
+    out = []
+    for r in find_records(buf):
+        ident = buf[r.start : r.newline]
+        values = buf[r.data : r.end]
+        out.append(_record_bytes(ident, values, shapes.get(ident, (len(values) // 4, 1))))
+    return b"".join(out)
+
+
+def _bullet_seeds(rng: np.random.Generator) -> list[Input | Seed]:
+    from pytreeio.fmt import bullet
+
+    w = {"l0w": _f32(rng, 6, 4), "l0b": _f32(rng, 4), "l1w": _f32(rng, 4, 2), "l1b": _f32(rng, 2)}
+    moments = {
+        "momentum": {k: _f32(rng, *v.shape) * 0.01 for k, v in w.items()},
+        "velocity": {k: np.abs(_f32(rng, *v.shape)) * 0.01 for k, v in w.items()},
+    }
+    classic = bullet.classic_layout([255, 64])
+    meta = {"saved_format": classic, "steps": dict.fromkeys(w, 3), "log": "1,1,0.5\n1,2,0.25\n"}
+    full = _files(bullet.encode({"weights": w, **moments}, meta=meta))
+    assert isinstance(full, dict) and bullet.QUANTISED in full
+    no_quantised = {k: v for k, v in full.items() if k != bullet.QUANTISED}
+    buckets = bullet.output_bucket_layout([127, 32], types="i8")
+    ranger = {"weights": w, **moments, "slow": {k: v * 0.5 for k, v in w.items()}}
+    plain = _files(bullet.encode({"weights": w}))  # every tensor f32, no moments
+    assert isinstance(plain, dict)
+    old = dict(plain)
+    old[bullet.WEIGHTS] = _records_old(
+        plain[bullet.WEIGHTS], {b"l0w": (4, 6), b"l0b": (4, 1), b"l1w": (2, 4), b"l1b": (2, 1)}
+    )
+    exported = {bullet.RAW: full[bullet.RAW], bullet.QUANTISED: full[bullet.QUANTISED]}
+    shapes = {k: list(v.shape) for k, v in w.items()}
+    return [
+        Seed(full, {"saved_format": classic}),
+        Seed(full, {"saved_format": classic, "check_quantised": True}),
+        Seed(no_quantised, {"saved_format": classic}),
+        Seed(
+            _files(bullet.encode(ranger, meta={"saved_format": buckets})), {"saved_format": buckets}
+        ),
+        plain,
+        old,
+        Seed(exported, {"saved_format": classic, "shapes": shapes}),
+    ]
+
+
+def default_seeds(
+    fmt_name: str, rng_seed: int = 0, conformance: Path | None = None
+) -> list[Input | Seed]:
     """Seeds for a built-in format: files its encoder writes, plus the conformance
-    files of ``conformance`` (default ``../shared/conformance``) when present."""
+    files of ``conformance`` (default ``../shared/conformance``) when present.
+    Seeds whose ``decode`` takes options (bullet's ``saved_format=``) are :class:`Seed`\\ s."""
     rng = np.random.default_rng(rng_seed)
     makers: dict[str, Callable[[np.random.Generator], list[Input]]] = {
         "msgpack": _msgpack_seeds,
         "safetensors": _safetensors_seeds,
     }
     if fmt_name == "tinyllama":
-        return _tinyllama_seeds(rng, conformance)
+        return list(_tinyllama_seeds(rng, conformance))
+    if fmt_name == "datacode":
+        return _datacode_seeds(rng, conformance)
+    if fmt_name == "waffe2":
+        return _waffe2_seeds(rng, conformance)
+    if fmt_name == "bullet":
+        return _bullet_seeds(rng)
     if fmt_name in makers:
-        return makers[fmt_name](rng)
+        return list(makers[fmt_name](rng))
     if fmt_name.startswith("netcl"):
-        return _netcl_seeds(fmt_name, rng)
+        return list(_netcl_seeds(fmt_name, rng))
     raise KeyError(f"no default seeds for {fmt_name!r}; pass seeds to fuzz_format")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: fuzz the named formats (all with default seeds by default)."""
+    """Command line: fuzz the named formats (every registered one by default)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "formats",
-        nargs="*",
-        default=[
-            "msgpack",
-            "safetensors",
-            "tinyllama",
-            "netcl",
-            "netcl-checkpoint",
-            "netcl-params",
-        ],
-    )
+    parser.add_argument("formats", nargs="*", default=list(registry.formats()))
     parser.add_argument("-n", type=int, default=2000, help="inputs per format")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds per input")

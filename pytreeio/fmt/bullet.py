@@ -88,14 +88,14 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .. import quant
-from ..binary import BufferSource, ByteSource, Writer, as_memoryview
+from ..binary import BufferSource, ByteSource, Writer, as_memoryview, check_shape
 from ..errors import (
     ConversionError,
     EncodeError,
@@ -137,6 +137,7 @@ VELOCITY = "optimiser_state/velocity.bin"
 SLOW = "optimiser_state/slow.bin"
 STEP = "optimiser_state/step.txt"
 LOG = "log.txt"
+FORMAT_NAME = "bullet"
 
 #: Native tree keys and the record files that hold them.
 _RECORD_FILES = {"weights": WEIGHTS, "momentum": MOMENTUM, "velocity": VELOCITY, "slow": SLOW}
@@ -519,6 +520,8 @@ def _walk_variant(src: ByteSource, file: str, old: bool) -> list[_Record]:
         if old:
             r = src.reader(pos, 16, f"{rid} rows, cols")
             rows, cols = r.u64(f"{rid} rows"), r.u64(f"{rid} cols")
+            # a zero dimension leaves the other unchecked by the size test below
+            check_shape((cols, rows), 4, path=file, field=f"{rid} rows, cols", offset=pos)
             count, dims, pos = rows * cols, (rows, cols), pos + 16
         else:
             count, dims = src.reader(pos, 8, f"{rid} count").u64(f"{rid} count"), None
@@ -644,15 +647,25 @@ def _text(buf: Any, file: str) -> str:
         raise FormatError(f"invalid UTF-8: {exc.reason}", path=file, offset=exc.start) from None
 
 
+def _lines(text: str) -> Iterator[str]:
+    """The lines of ``text`` (split on ``\\n``, a final newline ends the last one), one at a
+    time: a file of millions of lines costs no list of them when its second line is bad."""
+    pos = 0
+    while pos < len(text):
+        end = text.find("\n", pos)
+        if end < 0:
+            yield text[pos:]
+            return
+        yield text[pos:end]
+        pos = end + 1
+
+
 def _parse_steps(buf: Any, ids: Iterable[str]) -> dict[str, int]:
     text = _text(buf, STEP)
     known = set(ids)
     steps: dict[str, int] = {}
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
     offset = 0
-    for n, line in enumerate(lines, 1):
+    for n, line in enumerate(_lines(text), 1):
         body = line[:-1] if line.endswith("\r") else line
         rid, comma, value = body.rpartition(",")
         where = f"line {n}"
@@ -1282,14 +1295,18 @@ def _model_step(meta: Mapping[str, Any], ids: Sequence[str], step: int | None) -
     return int(found)
 
 
-def to_model(native: Any, meta: Mapping[str, Any], *, step: int | None = None) -> Model:
+def to_model(
+    native: Any, meta: Mapping[str, Any], *, step: int | None = None, layers: Any = None
+) -> Model:
     """An MLP of Linear layers (``l{k}w`` kernel ``(in, out)``, ``l{k}b`` bias) with its AdamW state.
 
     ``momentum``/``velocity`` become an ``adamw`` state's ``mu``/``nu``; its
     count comes from step.txt (every tensor must have the same step) or,
     when the checkpoint has none (bullet's AdamW writes none), from
     ``step=``.  Ranger's ``slow`` weights have no place in an optax state and
-    are an error.
+    are an error.  bullet keeps no architecture: ``layers=[...]`` gives the
+    layer list (activations included) the Linear layers sit in.  A non-empty
+    ``log`` and a ``saved_format`` are kept in ``model.extras['bullet']``.
     """
     from ..optim import OptState
 
@@ -1305,7 +1322,7 @@ def to_model(native: Any, meta: Mapping[str, Any], *, step: int | None = None) -
         )
     weights = native["weights"]
     n = _layer_ids(weights)
-    layers = []
+    linear = []
     order: list[str] = []
     for k in range(n):
         kernel, bias = weights[f"l{k}w"], weights.get(f"l{k}b")
@@ -1329,7 +1346,7 @@ def to_model(native: Any, meta: Mapping[str, Any], *, step: int | None = None) -
                 expected=(kernel.shape[1],),
                 found=tuple(np.shape(bias)),
             )
-        layers.append(Layer("Linear", args, arrays))
+        linear.append(Layer("Linear", args, arrays))
         order += [f"l{k}w"] + ([f"l{k}b"] if bias is not None else [])
     if step is not None and (not _is_int(step) or step < 0):
         raise MismatchError("step must be a non-negative integer", key_path="step", found=step)
@@ -1346,7 +1363,17 @@ def to_model(native: Any, meta: Mapping[str, Any], *, step: int | None = None) -
                 )
             slots[slot] = [group[rid] for rid in order]
         opt = OptState("adamw", {}, count, slots)
-    return Model(tuple(layers), opt_state=opt, step=count)
+    if layers is not None:
+        model_layers = Model.from_params([weights[rid] for rid in order], layers).layers
+    else:
+        model_layers = tuple(linear)
+    extras = {k: meta[k] for k in ("saved_format", "log") if meta.get(k)}
+    return Model(
+        model_layers,
+        opt_state=opt,
+        step=count,
+        extras={FORMAT_NAME: extras} if extras else {},
+    )
 
 
 def _drop(what: list[str], lossy: bool) -> None:
@@ -1363,11 +1390,13 @@ def from_model(
     """The native tree of an MLP: Linear layer ``k`` -> ``l{k}w`` (kernel) and ``l{k}b`` (bias).
 
     An ``adam``/``adamw`` state's ``mu``/``nu`` become momentum/velocity and
-    its count every line of step.txt; an ``sgd`` state holds nothing.  Other
-    layers (bullet's checkpoints hold no architecture), frozen layers, other
-    optimizers and masked slots raise :class:`ConversionError` unless
-    ``lossy``, which drops them with a warning.  ``meta``'s
-    ``saved_format`` and ``log`` are kept.
+    its count every line of step.txt; an ``sgd`` state holds nothing.
+    Parameter-free layers (ReLU, ...) are not refused: bullet's checkpoints
+    hold no architecture, its reader supplies it (``layers=`` on loading).
+    Layers with arrays other than Linear, frozen layers, other optimizers and
+    masked slots raise :class:`ConversionError` unless ``lossy``, which drops
+    them with a warning.  ``saved_format`` and ``log`` come from ``meta``,
+    else from ``model.extras['bullet']``.
     """
     dropped = []
     weights: dict[str, Any] = {}
@@ -1375,6 +1404,8 @@ def from_model(
     param_ids: list[str | None] = []  # per parameter of the model: its id, None when dropped
     k = 0
     for i, layer in enumerate(model.layers):
+        if not layer.arrays and not layer.spec.arrays:
+            continue  # a parameter-free layer: architecture, which bullet's files never hold
         if layer.type != "Linear" or not layer.trainable:
             what = layer.type if layer.type != "Linear" else "frozen Linear"
             dropped.append(f"layer {i} ({what})")
@@ -1387,7 +1418,8 @@ def from_model(
             param_ids.append(rid)
         k += 1
     tree: dict[str, Any] = {"weights": weights}
-    out_meta = {key: meta[key] for key in ("saved_format", "log") if meta and key in meta}
+    kept = {**model.extras.get(FORMAT_NAME, {}), **(meta or {})}
+    out_meta: dict[str, Any] = {key: kept[key] for key in ("saved_format", "log") if key in kept}
     opt = model.opt_state
     count = None
     if opt is not None:
@@ -1415,7 +1447,7 @@ def from_model(
 
 FORMAT = register(
     Format(
-        name="bullet",
+        name=FORMAT_NAME,
         description="bullet (chess NNUE trainer) checkpoint directory: raw.bin, quantised.bin, optimiser_state/",
         suffixes=(),
         layout=DIRECTORY,

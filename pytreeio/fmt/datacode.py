@@ -96,6 +96,7 @@ _HEADER = 16
 #: The layer types DataCode knows (its loader refuses others).
 TYPES = ("Linear", "ReLU", "Sigmoid", "Tanh", "Softmax", "Flatten")
 VARIANTS = ("seed", "later")
+FORMAT_NAME = "datacode"
 #: The meta key (never written into the JSON) recording how the file was laid out.
 FILE_KEY = "_datacode_file"
 #: DataCode names are ``layer<N>.weight``; longer names are refused before they are read.
@@ -805,7 +806,13 @@ def _tensor(w: Writer, name: str, arr: np.ndarray) -> None:
 
 
 def to_model(native: Any, meta: Mapping[str, Any]) -> Model:
-    """The common :class:`Model` of a native tree and its document (no optimizer state: DataCode keeps none)."""
+    """The common :class:`Model` of a native tree and its document (no optimizer state: DataCode keeps none).
+
+    What the document holds beyond the layers (a training record with
+    stages or histories, a device other than ``cpu``, layer names other than
+    DataCode's own, other keys) is kept in ``model.extras['datacode']``:
+    converting into another format refuses it unless ``lossy``.
+    """
     if not isinstance(meta, Mapping):
         raise MismatchError("meta must be the DataCode document", key_path="meta")
     doc = {k: v for k, v in meta.items() if k != FILE_KEY}
@@ -823,7 +830,32 @@ def to_model(native: Any, meta: Mapping[str, Any]) -> Model:
         out.append(
             Layer("Linear", args, {"kernel": arrays[p]["weight"], "bias": bias}, spec.trainable)
         )
-    return Model(tuple(out))
+    extras = _extras(doc, [spec.type for spec in layers], _record(meta).get("variant", "seed"))
+    return Model(tuple(out), extras={FORMAT_NAME: extras} if extras else {})
+
+
+def _extras(doc: Mapping[str, Any], types: list[str], variant: str) -> dict[str, Any]:
+    """What the document holds beyond the layer list: training record, device, names, other keys.
+
+    Only what carries information: an untrained ``training``, the ``cpu``
+    device and DataCode's own layer names are what :func:`from_model` writes
+    anyway.
+    """
+    out: dict[str, Any] = {}
+    training = doc.get("training")
+    if (
+        isinstance(training, Mapping) and any(v not in (None, [], {}) for v in training.values())
+    ) or (training is not None and not isinstance(training, Mapping)):
+        out["training"] = training
+    if doc.get("device", "cpu") != "cpu":
+        out["device"] = doc["device"]
+    names = [entry.get("name") for entry in doc.get("layers", [])]
+    if names != layer_names(types, variant) and any(n is not None for n in names):
+        out["layer names"] = names
+    for k, v in doc.items():
+        if k not in ("layers", "training", "device"):
+            out[k] = v
+    return out
 
 
 def _refuse_layers(model: Model, lossy: bool) -> None:
@@ -844,14 +876,18 @@ def _refuse_layers(model: Model, lossy: bool) -> None:
             "lossy=True writes zeros",
             what=no_bias,
         )
+    if no_bias:
+        warnings.warn(
+            f"DataCode: writing zero biases for {', '.join(no_bias)}", PytreeioWarning, stacklevel=4
+        )
 
 
 def _drop_training_state(model: Model, lossy: bool) -> None:
     dropped = []
     if model.opt_state is not None:
         dropped.append(f"optimizer state ({model.opt_state.kind} moments)")
-    if model.step is not None:
-        dropped.append("step counter")
+    if model.step is not None and (model.opt_state is None or model.opt_state.count != model.step):
+        dropped.append("step counter")  # a step equal to the optimizer's count is part of its state
     if not dropped:
         return
     if not lossy:
@@ -887,7 +923,8 @@ def from_model(
     variant: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A native tree and document for ``model``; ``meta`` (a DataCode document) supplies
-    ``device``, ``training`` and layer names (its entries are kept where they match).
+    ``device``, ``training`` and layer names (its entries are kept where they match),
+    and ``model.extras['datacode']`` (what :func:`to_model` kept) what ``meta`` does not.
 
     Conv, BatchNorm, LeakyReLU, Dropout, MaxPool layers are a
     :class:`ConversionError` naming them.  An optimizer state or step counter
@@ -898,6 +935,15 @@ def from_model(
     meta = {} if meta is None else meta
     if not isinstance(meta, Mapping):
         raise MismatchError("meta must be a mapping (the DataCode document)", key_path="meta")
+    kept = model.extras.get(FORMAT_NAME) or {}
+    if kept and len(kept.get("layer names") or []) == len(model.layers):
+        given_names = [{"name": n} if n is not None else {} for n in kept["layer names"]]
+    else:
+        given_names = []
+    meta = {
+        **{k: v for k, v in kept.items() if k != "layer names"},
+        **meta,
+    }
     _refuse_layers(model, lossy)
     _drop_training_state(model, lossy)
     given = layer_list(meta) or []
@@ -908,6 +954,8 @@ def from_model(
         )
     types = [la.type for la in model.layers]
     names = layer_names(types, chosen)
+    if not given and given_names:  # names kept from a DataCode file this model was read from
+        given = [{**g, "type": t} for g, t in zip(given_names, types)]
     entries = [
         _model_entry(la, i, names[i], given[i] if given else None)
         for i, la in enumerate(model.layers)
@@ -935,7 +983,7 @@ def from_model(
 
 FORMAT = register(
     Format(
-        name="datacode",
+        name=FORMAT_NAME,
         description="DataCode .nn (Rust): DATACODE header, serde_json architecture, f32 tensors",
         suffixes=(".nn",),
         layout=FILE,

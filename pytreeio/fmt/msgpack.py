@@ -19,6 +19,14 @@ written as ``{'__msgpack_chunked_array__': True, 'shape': {'0': d0, ...},
 'chunks': {'0': flat_chunk_0, ...}}`` with ``chunk_bytes // itemsize``
 elements per chunk, as flax does.
 
+Typed PRNG keys (``jax.random.key``; flax has no convention for them) are
+written as ``{'__msgpack_prng_key__': True, 'impl': 'threefry2x32', 'data':
+<uint32 key data>}`` (marker first, like the chunked map) and read back as
+keys (``jax.random.wrap_key_data``); flax's ``msgpack_restore`` reads that map
+as it is.  Flax NNX Variables are written as their values (see
+:mod:`pytreeio.nnx`), so ``nnx.state(model)`` is stored as its pure dict.
+A file without keys is exactly what flax writes.
+
 Writing streams each array's own buffer to the file (the ext and bin
 headers are computed, never the payload); reading parses the framing in
 place and returns arrays that are views of the file's bytes.
@@ -45,7 +53,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .. import dtypes
+from .. import dtypes, keys, nnx
 from ..binary import ByteSource, Reader, Writer, check_shape
 from ..errors import EncodeError
 from ..registry import FILE, WEAK, Decoded, Encoded, Entry, Format, Info, Probe, register
@@ -56,6 +64,9 @@ __all__ = ["FORMAT", "encode", "decode", "inspect", "sniff", "MAX_CHUNK_BYTES"]
 #: flax.serialization.MAX_CHUNK_SIZE: arrays above this many bytes are chunked.
 MAX_CHUNK_BYTES = 2**30
 _CHUNKED = "__msgpack_chunked_array__"
+#: The map a typed PRNG key is written as (see the module doc).
+_PRNG_KEY = "__msgpack_prng_key__"
+_MARKERS = (_CHUNKED, _PRNG_KEY)
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
 _MAX_DEPTH = 200  # each level costs two Python frames; flax trees are rarely 20 deep
 #: Bytes of Python objects one map or array costs at most; the file may hold
@@ -184,6 +195,9 @@ class _Encoder:
             )
         t = type(x)
         if t is np.ndarray or is_jax_array(x):
+            if t is not np.ndarray and keys.is_key_dtype(x.dtype):
+                self.prng_key(x, path, depth)
+                return
             arr = _as_host_array(x, path)
             if arr.nbytes > self.chunk_bytes:
                 self.chunked(arr, path)
@@ -221,8 +235,15 @@ class _Encoder:
             self.mapping([(str(i), v) for i, v in enumerate(x)], path, depth)
         elif isinstance(x, np.ndarray):  # ndarray subclasses
             self.value(np.asarray(x), path, depth)
+        elif (inner := nnx.unwrap(x)) is not x:  # an NNX Variable: its value, no level of its own
+            self.value(inner, path, depth)
         else:
             self.value(_state_dict_of(x, path), path, depth + 1)
+
+    def prng_key(self, x: Any, path: tuple[Any, ...], depth: int) -> None:
+        """A typed PRNG key as ``{_PRNG_KEY: True, 'impl': name, 'data': key data}``."""
+        impl, data = keys.key_data(x, key_string(path))
+        self.mapping([(_PRNG_KEY, True), ("impl", impl), ("data", data)], path, depth)
 
 
 def _state_dict_of(x: Any, path: tuple[Any, ...]) -> Any:
@@ -300,8 +321,9 @@ class _Parser:
 
     ``skip_data`` (inspect) skips array payloads, returning :class:`_ArrayHeader`;
     ``summarise`` (inspect) keeps only what :func:`_entries` will list (see the
-    module doc), counting the rest in ``unlisted``.  ``chunked`` records where
-    each map holding flax's chunked-array key was read, for error offsets.
+    module doc), counting the rest in ``unlisted``.  ``marked`` records where
+    each map holding flax's chunked-array key or the PRNG key marker was read,
+    for error offsets.
     """
 
     def __init__(self, r: Reader, *, skip_data: bool, summarise: bool = False) -> None:
@@ -310,7 +332,7 @@ class _Parser:
         self.summarise = summarise
         self.listed = 0
         self.unlisted = 0
-        self.chunked: dict[int, int] = {}
+        self.marked: dict[int, int] = {}
         # Maps and arrays cost 60+ bytes each but only 1 byte of file: the file pays for them.
         self.containers_left = (len(r.view) + _CONTAINER_ALLOWANCE) // CONTAINER_COST
 
@@ -481,15 +503,15 @@ class _Parser:
                     child = key
                 if key in out:
                     raise r.error(f"duplicate map key {key!r:.80}", field, r.start + key_at)
-                if i == 0 and key == _CHUNKED:
-                    self.summarise = False  # a chunked array is kept whole: it is one entry
+                if i == 0 and key in _MARKERS:
+                    self.summarise = False  # a chunked array or a key is kept whole: one entry
                 value = self.value(depth, child if not field else field + "/" + child)
                 if not self.summarise or self._keep(value, n):
                     out[key] = value
         finally:
             self.summarise = summarise
-        if _CHUNKED in out:
-            self.chunked[id(out)] = at
+        if _CHUNKED in out or _PRNG_KEY in out:
+            self.marked[id(out)] = at
         if summarise and not out:
             return _NOTHING  # nothing to list: the parent keeps no object for it
         return out
@@ -655,20 +677,49 @@ def _unchunk_one(node: dict[str, Any], fail: Any) -> Any:
     return np.concatenate(chunks).reshape(shape)
 
 
+class _KeyHeader:
+    """A typed PRNG key as ``inspect`` sees it (its data skipped)."""
+
+    __slots__ = ("impl", "nbytes", "shape")
+
+    def __init__(self, impl: str, shape: tuple[int, ...], nbytes: int) -> None:
+        self.impl = impl
+        self.shape = shape
+        self.nbytes = nbytes
+
+
+def _prng_key_one(node: dict[str, Any], fail: Any) -> Any:
+    """The typed key a PRNG key map holds (a :class:`_KeyHeader` when the data was skipped)."""
+    if set(node) != {_PRNG_KEY, "impl", "data"} or node[_PRNG_KEY] is not True:
+        raise fail(f"malformed PRNG key: keys {sorted(map(str, node))!r:.80}")
+    impl, data = node["impl"], node["data"]
+    if isinstance(data, _ArrayHeader):
+        if not isinstance(impl, str) or not impl:
+            raise fail(f"a PRNG key's implementation must be a name, found {impl!r:.60}")
+        if data.dtype != np.dtype(np.uint32) or not data.shape:
+            raise fail(f"PRNG key data must be a uint32 array, found {data.dtype.name}")
+        # jax's implementations all have one-dimensional key data (threefry: 2 words)
+        return _KeyHeader(impl, data.shape[:-1], data.nbytes)
+    return keys.wrap(data, impl, fail)
+
+
 def _unchunk(node: Any, parser: _Parser, field: str) -> Any:
-    """Replace flax's chunked-array maps with the arrays they hold (top-down, as flax does)."""
+    """Replace flax's chunked-array maps with the arrays they hold (top-down, as flax does),
+    then PRNG key maps with the keys they hold (their data may be chunked)."""
     if not isinstance(node, dict):
         return node
+    at = parser.marked.get(id(node))
+
+    def fail(reason: str) -> Any:
+        return parser.r.error(reason, field or "<root>", at)
+
     if _CHUNKED in node:
-        at = parser.chunked.get(id(node))
-
-        def fail(reason: str) -> Any:
-            return parser.r.error(reason, field or "<root>", at)
-
         return _unchunk_one(node, fail)
     for k, v in node.items():
         if isinstance(v, dict):
             node[k] = _unchunk(v, parser, f"{field}/{k}" if field else str(k))
+    if _PRNG_KEY in node:
+        return _prng_key_one(node, fail)
     return node
 
 
@@ -702,6 +753,8 @@ def _entries(node: Any, path: tuple[Any, ...], out: list[Entry]) -> None:
             _entries(v, (*path, ("[", i)), out)
     elif isinstance(node, _ArrayHeader):
         out.append(Entry(key_string(path), node.shape, node.dtype.name, node.nbytes))
+    elif isinstance(node, _KeyHeader):
+        out.append(Entry(key_string(path), node.shape, f"key<{node.impl}>", node.nbytes))
     elif node is not None and node is not _NOTHING:
         out.append(Entry(key_string(path), (), type(node).__name__, 0))
 

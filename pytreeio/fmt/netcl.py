@@ -40,8 +40,16 @@ import numpy as np
 from .. import jsonsafe, npy
 from .. import zip as zipfmt
 from ..binary import ByteSource, as_memoryview
-from ..errors import ConversionError, FormatError, MismatchError
-from ..model import LAYERS, REQUIRED, Model, layer_list, normalize_layers
+from ..errors import FormatError, MismatchError
+from ..model import (
+    LAYERS,
+    REQUIRED,
+    Model,
+    layer_list,
+    normalize_layers,
+    refuse_or_warn,
+    training_state,
+)
 from ..registry import STRUCTURE, Decoded, Encoded, Entry, Format, Info, Probe, Siblings, register
 from .netcl_naming import (
     META_KEY,
@@ -252,15 +260,27 @@ def to_model(native: Any, meta: Mapping[str, Any]) -> Model:
 
 
 def from_model(
-    model: Model, meta: Mapping[str, Any] | None = None
+    model: Model, meta: Mapping[str, Any] | None = None, *, lossy: bool = False
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """netcl's per-layer arrays and meta document for a model (no optimizer state: that is a checkpoint)."""
+    """netcl's per-layer arrays and meta document for a model.
+
+    A model file holds no optimizer state or step counter (that is
+    netcl-checkpoint's) and no ``trainable`` flag: :class:`ConversionError`
+    unless ``lossy``, which drops them with a warning.  Layer types netcl
+    lacks are always refused.
+    """
     check_types(model)
-    if model.opt_state is not None:
-        raise ConversionError(
-            "a netcl model file holds no optimizer state; save it as netcl-checkpoint",
-            what=["optimizer state"],
-        )
+    frozen = [
+        f"layer {i} ({la.type}) trainable=false (netcl's config has no such flag)"
+        for i, la in enumerate(model.layers)
+        if not la.trainable
+    ]
+    refuse_or_warn(
+        training_state(model) + frozen,
+        "netcl",
+        lossy,
+        hint=" (a model file holds no training state; netcl-checkpoint does)",
+    )
     native = [
         {
             NAMES[la.type][k]: host(to_netcl(a), f"[{i}].{NAMES[la.type][k]}")

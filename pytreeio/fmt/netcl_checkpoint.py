@@ -48,13 +48,14 @@ from ..errors import (
     NetclMissingParamError,
     NetclShapeMismatchError,
 )
-from ..model import Model
+from ..model import Model, refuse_or_warn, training_state
 from ..registry import STRUCTURE, Decoded, Encoded, Entry, Format, Info, Probe, Siblings, register
 from .netcl_naming import META_KEY, check_types, host, read_npz, to_common, to_netcl
 
 __all__ = ["CHECKPOINT", "PARAMS", "NetclMissingParamError", "NetclShapeMismatchError"]
 
 _ADAM_KINDS = ("adam", "adamw")
+CHECKPOINT_NAME = "netcl-checkpoint"
 
 
 # --------------------------------------------------------------------------
@@ -84,19 +85,14 @@ def _param_arrays(model: Model) -> list[np.ndarray]:
     return [host(to_netcl(a), f"p{j}") for j, (_, _, a) in enumerate(model.params)]
 
 
-def _refuse_stats(model: Model, lossy: bool) -> None:
-    stats = [
-        f"layer {i} ({la.type}).{k}"
+def _stats(model: Model) -> list[str]:
+    """BatchNorm running statistics, which netcl checkpoints (``model.parameters()``) do not hold."""
+    return [
+        f"layer {i} ({la.type}).{k} (BatchNorm statistics; the 'netcl' model format holds them)"
         for i, la in enumerate(model.layers)
         for k in la.spec.stats
         if k in la.arrays
     ]
-    if stats and not lossy:
-        raise ConversionError(
-            "netcl checkpoints hold model.parameters() only, not BatchNorm running statistics "
-            "(save those with the 'netcl' model format): " + ", ".join(stats),
-            what=stats,
-        )
 
 
 def _named_items(params: Any, names: Sequence[str] | None) -> list[tuple[str, np.ndarray]]:
@@ -211,12 +207,14 @@ def _params_to_model(
 def _params_from_model(
     model: Model, meta: Mapping[str, Any] | None = None, *, lossy: bool = False
 ) -> tuple[Any, dict[str, Any]]:
+    """``p0, p1, ...``; BatchNorm statistics, an optimizer state or step are refused unless ``lossy``.
+
+    Parameter-free layers are not refused: the format holds no layer list
+    (``layers=`` on loading supplies it).
+    """
     check_types(model)
-    _refuse_stats(model, lossy)
-    if model.opt_state is not None and not lossy:
-        raise ConversionError(
-            "netcl-params holds no optimizer state; use netcl-checkpoint", what=["optimizer state"]
-        )
+    problems = _stats(model) + training_state(model)
+    refuse_or_warn(problems, "netcl-params", lossy, hint=" (netcl-checkpoint holds the state)")
     return _param_arrays(model), {}
 
 
@@ -320,10 +318,32 @@ def _opt_state_of(state: Mapping[str, Any]) -> Any:
     )
 
 
-def _netcl_state_of(opt: Any, lossy: bool, *, common: bool = True) -> dict[str, Any]:
-    """netcl's optimizer dict for a format-neutral state; slots in common orientation if ``common``."""
+def _opt_problems(opt: Any) -> list[str]:
+    """What of a format-neutral optimizer state netcl's optimizer dicts cannot hold."""
+    if opt is None:
+        return []
+    if opt.kind not in (*_ADAM_KINDS, "momentum", "nesterov", "sgd"):
+        return [f"optimizer state ({opt.kind}; netcl checkpoints hold AdamW/Adam or SGD state)"]
+    out = []
+    if any(a is None for slot in opt.slots.values() for a in slot):
+        out.append(f"masked optimizer slots ({opt.kind}; netcl keeps state for every parameter)")
+    if opt.kind not in _ADAM_KINDS and opt.count is not None:
+        out.append(f"the optimizer's step count ({opt.count}; netcl's SGD keeps none)")
+    return out
+
+
+def _netcl_state_of(opt: Any, *, common: bool = True) -> dict[str, Any]:
+    """netcl's optimizer dict for a format-neutral state; slots in common orientation if ``common``.
+
+    A state netcl cannot hold (:func:`_opt_problems`) is a :class:`ConversionError`.
+    """
     if opt is None:
         return {}
+    problems = _opt_problems(opt)
+    if problems:
+        raise ConversionError(
+            f"netcl checkpoints cannot hold: {', '.join(problems)}", what=problems
+        )
 
     def netcl_order(name: str) -> list[np.ndarray]:
         slots = opt.slots[name]
@@ -337,12 +357,18 @@ def _netcl_state_of(opt: Any, lossy: bool, *, common: bool = True) -> dict[str, 
         return {"t": int(opt.count or 0), "moments": moments}
     if opt.kind in ("momentum", "nesterov"):
         return {"velocity": netcl_order("trace")}
-    if opt.kind == "sgd" or lossy:
-        return {}
-    raise ConversionError(
-        f"netcl checkpoints hold AdamW/Adam or SGD state, not {opt.kind}",
-        what=[f"optimizer state ({opt.kind})"],
-    )
+    return {}
+
+
+def _held_state(opt: Any) -> Any:
+    """What of ``opt`` netcl holds (after ``lossy`` accepted dropping the rest)."""
+    if opt is None or not _opt_problems(opt):
+        return opt
+    if opt.kind in ("momentum", "nesterov", "sgd") and not any(
+        a is None for slot in opt.slots.values() for a in slot
+    ):
+        return dataclasses.replace(opt, count=None)  # only the SGD step count is dropped
+    return None
 
 
 def _state_dict(state: Any, params: Any) -> Mapping[str, Any]:
@@ -358,7 +384,7 @@ def _state_dict(state: Any, params: Any) -> Mapping[str, Any]:
             key_path="optim_state",
             found=type(params).__name__,
         )
-    return _netcl_state_of(extract(state, list(params)), lossy=False, common=False)
+    return _netcl_state_of(extract(state, list(params)), common=False)
 
 
 def _max_values(nbytes: int) -> int:
@@ -384,6 +410,10 @@ def _decode_checkpoint(source: Mapping[str, Any], *, verify_crc: bool = True) ->
 def _checkpoint_to_model(
     native: Any, meta: Mapping[str, Any], *, names: Sequence[str] | None = None, layers: Any = None
 ) -> Model:
+    """The parameters (layers read off their shapes, or ``layers=``) with the AdamW/SGD state.
+
+    A non-empty ``config`` is kept in ``model.extras['netcl-checkpoint']``.
+    """
     if not isinstance(native, Mapping) or "params" not in native:
         raise MismatchError(
             "a netcl checkpoint is {'params': ..., 'optim_state': ..., 'config': ...}", key_path=""
@@ -395,18 +425,34 @@ def _checkpoint_to_model(
     if opt is not None:
         slots = {k: [to_common(a) for a in v] for k, v in opt.slots.items()}
         model = model.replace(opt_state=dataclasses.replace(opt, slots=slots), step=opt.count)
+    config = native.get("config")
+    if config:
+        model = model.replace(extras={CHECKPOINT_NAME: {"config": config}})
     return model
 
 
 def _checkpoint_from_model(
     model: Model, meta: Mapping[str, Any] | None = None, *, lossy: bool = False
 ) -> tuple[Any, dict[str, Any]]:
+    """``p0, p1, ...`` and netcl's optimizer dict (Adam/AdamW ``t``/``moments``, SGD ``velocity``).
+
+    BatchNorm statistics, other optimizer kinds, masked slots, an SGD step
+    count and a step counter other than Adam's ``t`` are refused unless
+    ``lossy``.  Parameter-free layers are not refused: the checkpoint holds no
+    layer list.  ``config`` comes from ``meta``, else from the model's extras.
+    """
     check_types(model)
-    _refuse_stats(model, lossy)
-    config = (meta or {}).get("config", {})
+    opt = model.opt_state
+    problems = _stats(model) + _opt_problems(opt)
+    if model.step is not None and (
+        opt is None or opt.kind not in _ADAM_KINDS or opt.count != model.step
+    ):
+        problems.append(f"step counter ({model.step})")
+    refuse_or_warn(problems, CHECKPOINT_NAME, lossy)
+    config = (meta or {}).get("config") or model.extras.get(CHECKPOINT_NAME, {}).get("config", {})
     tree = {
         "params": {f"p{j}": a for j, a in enumerate(_param_arrays(model))},
-        "optim_state": _netcl_state_of(model.opt_state, lossy),
+        "optim_state": _netcl_state_of(_held_state(opt)),
         "config": config if isinstance(config, Mapping) else {},
     }
     return tree, {}
@@ -508,7 +554,7 @@ def _sniff_checkpoint(probe: Probe) -> float:
 
 CHECKPOINT = register(
     Format(
-        name="netcl-checkpoint",
+        name=CHECKPOINT_NAME,
         description="netcl training checkpoint: <p>.npz parameters + <p>.json optim_state/config",
         suffixes=(),
         layout=Siblings(_locate_checkpoint, roles=("npz", "json"), linked=("npz", "json")),

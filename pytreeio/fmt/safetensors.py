@@ -27,6 +27,9 @@ The structure document (``pytreeio.tree``), one JSON value per tree node::
     {"leaf": name[, "kind": k]}                the tensor ``name``; k = "int", "float",
                                                "bool" (a Python scalar, 0-d int64 /
                                                float64 / bool tensor) or "npscalar"
+    {"leaf": name, "key": impl}                a typed PRNG key (``jax.random.key``):
+                                               ``name`` holds its U32 key data, ``impl``
+                                               is jax's implementation name
     {"str": text}                              a string leaf
     {"dict": [[key, node], ...][, "node": c]}  a dict (str or int keys); c names a
                                                custom pytree node kept as a dict
@@ -39,6 +42,10 @@ Reading is bounded: every JSON document goes through :func:`pytreeio.jsonsafe.lo
 :func:`pytreeio.binary.check_shape`, namedtuple names must be identifiers that
 are not keywords, at most :data:`MAX_NAMEDTUPLE_CLASSES` distinct namedtuple
 classes are created per file, and a scalar's kind must match its tensor's dtype.
+
+Flax NNX Variables are stored as their values (see :mod:`pytreeio.nnx`), so
+``nnx.state(model)`` is stored as its pure dict and restored into ``like``'s
+Variables.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes, jsonsafe
+from .. import dtypes, jsonsafe, keys, nnx
 from ..binary import ByteSource, Reader, Writer, check_shape
 from ..errors import EncodeError, FormatError
 from ..registry import (
@@ -144,7 +151,14 @@ class _Collector:
     def structure(self, x: Any, key: str = "", depth: int = 0) -> Any:
         if depth > MAX_TREE_DEPTH:
             raise EncodeError(f"tree is nested deeper than {MAX_TREE_DEPTH} levels", key_path=key)
-        if isinstance(x, np.ndarray) or is_jax_array(x):
+        if isinstance(x, np.ndarray):
+            return self.add(key, np.asarray(x), None)
+        if is_jax_array(x):
+            if keys.is_key_dtype(x.dtype):
+                impl, data = keys.key_data(x, key)
+                node = self.add(key, data, None)
+                node["key"] = impl
+                return node
             return self.add(key, np.asarray(x), None)
         if x is None:
             return None
@@ -162,6 +176,9 @@ class _Collector:
             return self.add(key, np.asarray(x), "npscalar")
         if isinstance(x, complex | bytes):
             raise EncodeError(f"safetensors cannot store a {type(x).__name__}", key_path=key)
+        inner = nnx.unwrap(x)
+        if inner is not x:  # an NNX Variable: its value, no level of its own
+            return self.structure(inner, key, depth)
         kids = node_children(x)
         if kids is None:
             raise EncodeError(
@@ -451,6 +468,10 @@ class _Rebuilder:
         self.used.add(name)
         arr = self.arrays[name]
         kind = node.get("kind")
+        if "key" in node:
+            if kind is not None:
+                raise self.bad(f"PRNG key {name!r:.60} has a scalar kind")
+            return keys.wrap(arr, node["key"], lambda why: self.bad(f"{name!r:.60}: {why}"))
         if kind is None:
             return arr
         if arr.shape != ():

@@ -49,7 +49,8 @@ parameter followed by its optimizer entries), and a float keeps the
 
 **Save options**: ``optimizers`` (``False`` writes parameters only, as
 cl-waffe2's default; model-shaped trees default to ``False``, native trees are
-written as given), ``save_dir`` (the ``<p>`` written into path strings;
+written as given, a model converted from another checkpoint keeps its state),
+``save_dir`` (the ``<p>`` written into path strings;
 default: the destination exactly as passed), ``sidecar`` (``None``: when some
 shape or layer list would otherwise be lost), ``tensor_class``, ``naming``
 (composite/slot names per layer type, :class:`LayerNaming`), ``hyperparams``
@@ -271,7 +272,7 @@ def _flax_shapes(ltype: str, args: Mapping[str, Any]) -> dict[str, tuple[int, ..
         if ltype == "BatchNorm2d":
             n = int(full["num_features"])
             return dict.fromkeys(LAYERS[ltype].arrays, (n,))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError, ZeroDivisionError):  # groups=0: args say nothing
         return None
     return {}
 
@@ -1183,10 +1184,13 @@ def _expected_arrays(ltype: str, args: Mapping[str, Any]) -> list[str]:
 
 
 def _entries_given(layers: Any, like: Any, meta: Mapping[str, Any]) -> list[Any] | None:
-    """The layer list from the ``layers`` option, the sidecar, or a model-shaped ``like``."""
-    if layers is not None:
-        return layer_list(layers)
-    if meta.get("layers") is not None:
+    """The layer list from the ``layers`` option, the sidecar, or a model-shaped ``like``.
+
+    A ``like`` also completes a ``layers`` list that names types only (the
+    activations between the layers come from the list, the sizes from ``like``).
+    """
+    given = layer_list(layers) if layers is not None else None
+    if given is None and meta.get("layers") is not None:
         return layer_list(meta["layers"])
     if like is not None and is_model_like(like):
         if not isinstance(like, Mapping):
@@ -1195,8 +1199,9 @@ def _entries_given(layers: Any, like: Any, meta: Mapping[str, Any]) -> list[Any]
             params = like  # a params tree or variables dict
         else:
             params = like["params"]  # {'params': ..., 'opt_state': ...}
-        return Model.from_flax(params).config()  # shapes: arrays or ShapeDtypeStructs
-    return None
+        # shapes: arrays or ShapeDtypeStructs
+        return Model.from_flax(params, given).config()
+    return given
 
 
 def _file_param_order(
@@ -1504,13 +1509,21 @@ def _merged_hyperparams(opt: Any, given: Mapping[str, Any] | None) -> dict[str, 
 
 
 def _optimizer_problems(opt: Any, hp: Mapping[str, Any]) -> list[str]:
-    if opt.kind not in ("adam", "sgd"):
+    """What of an optimizer state cl-waffe2's Adam/SGD entries cannot hold.
+
+    ``adamw`` holds Adam's data (``mu``, ``nu``, count): it is written as
+    cl-waffe2's Adam unless a non-zero ``weight_decay`` is recorded, which
+    cl-waffe2's Adam has no place for.
+    """
+    if opt.kind not in ("adam", "adamw", "sgd"):
         return [f"optimizer state ({opt.kind}; cl-waffe2 formats hold adam and sgd)"]
     out = []
+    if opt.kind == "adamw" and hp.get("weight_decay"):
+        out.append(f"adamw weight_decay={hp['weight_decay']} (cl-waffe2's Adam has none)")
     if "learning_rate" not in hp:
         out.append(
-            "the learning rate (the optax state does not record it: pass "
-            "hyperparams={'learning_rate': ...} or use optax.inject_hyperparams)"
+            "the learning rate (cl-waffe2 stores one and the optimizer state does not record "
+            "it: pass hyperparams={'learning_rate': ...} or use optax.inject_hyperparams)"
         )
     if hp.get("eps_root"):
         out.append(f"adam eps_root={hp['eps_root']} (cl-waffe2 has none)")
@@ -1526,21 +1539,26 @@ def from_model(
     meta: Mapping[str, Any] | None = None,
     *,
     lossy: bool = False,
-    optimizers: bool = False,
+    optimizers: bool | None = None,
     naming: Mapping[str, Any] | None = None,
     hyperparams: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A model as a waffe2 native tree (+ meta with the key order and layer list).
 
     Kernels are transposed to cl-waffe2's orientation (a jit transpose).  With
-    ``optimizers=True`` an ``adam`` or ``sgd`` optimizer state is written as
-    cl-waffe2's entries; hyperparameters come from the state
-    (``inject_hyperparams``) or ``hyperparams``; Adam's b1/b2/eps default to
+    ``optimizers=True`` an ``adam`` or ``sgd`` optimizer state (``adamw``
+    without a recorded weight decay: Adam's data) is written as cl-waffe2's
+    entries; hyperparameters come from the state (``inject_hyperparams``, a
+    converted checkpoint) or ``hyperparams``; Adam's b1/b2/eps default to
     optax.adam's when neither gives them, the learning rate is required.
-    ``optimizers=False`` (cl-waffe2's default) leaves the state out, with a
-    warning when there is one.
+    ``optimizers=False`` leaves the state out, with a warning when there is
+    one.  The default (None) is cl-waffe2's ``False`` for a Flax tree being
+    saved, and ``True`` for a model converted from another checkpoint
+    (``model.origin`` set): a conversion drops nothing silently.
     """
     _check_meta(meta)  # its keys/layers/step/count are recomputed from the model
+    if optimizers is None:
+        optimizers = model.origin is not None
     namings = _namings(naming)
     problems = []
     for i, layer in enumerate(model.layers):
@@ -1605,6 +1623,7 @@ def _opt_entries(
     native: dict[str, Any], opt: Any, hp: Mapping[str, Any], j: int, s: _Slot, axes: Any
 ) -> list[str]:
     """Add parameter ``j``'s optimizer entries to ``native``; return their keys in cl-waffe2's order."""
+    name = "sgd" if opt.kind == "sgd" else "adam"  # adamw: Adam's data (see _optimizer_problems)
     if opt.kind == "sgd":
         values: dict[str, Any] = {"lr": float(hp["learning_rate"])}
     else:
@@ -1619,10 +1638,8 @@ def _opt_entries(
             "v": _to_stored(opt.slots["nu"][j], axes),
         }
     node = native.setdefault("optimizer", {}).setdefault(s.composite, {})
-    node.setdefault(str(s.nth), {})[s.slot] = {opt.kind: values}
-    return [
-        make_key("optimizer", *s.parts, opt.kind, type_of(v), name) for name, v in values.items()
-    ]
+    node.setdefault(str(s.nth), {})[s.slot] = {name: values}
+    return [make_key("optimizer", *s.parts, name, type_of(v), slot) for slot, v in values.items()]
 
 
 FORMAT = register(

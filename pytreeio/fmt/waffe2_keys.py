@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -232,6 +233,8 @@ def assign_nth(pairs: Iterable[tuple[str, str]]) -> list[int]:
 # type specifiers
 # --------------------------------------------------------------------------
 
+#: The largest integer a float can hold (a JSON integer beyond it is no float's value).
+_LARGEST_FLOAT_INT = int(sys.float_info.max)
 _INTEGER_FORM = re.compile(r"^\(integer (\*|-?[0-9]+)(?: (\*|-?[0-9]+))?\)$")
 _FLOATS = ("single-float", "double-float")
 
@@ -250,7 +253,9 @@ class TypeSpec(NamedTuple):
     def admits(self, value: Any) -> bool:
         """Whether a JSON number ``value`` is of this type (integers within bounds)."""
         if self.kind == "float":
-            return isinstance(value, int | float) and not isinstance(value, bool)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                return False
+            return not isinstance(value, int) or abs(value) <= _LARGEST_FLOAT_INT
         if self.kind != "integer" or isinstance(value, bool) or not isinstance(value, int):
             return False
         return (self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi)
@@ -304,8 +309,13 @@ def parse_type_specifier(text: str) -> TypeSpec:
         return TypeSpec("integer", text, MOST_NEGATIVE_FIXNUM, MOST_POSITIVE_FIXNUM)
     m = _INTEGER_FORM.match(text)
     if m:
-        lo = None if m.group(1) == "*" else int(m.group(1))
-        hi = None if m.group(2) in (None, "*") else int(m.group(2))
+        try:
+            lo = None if m.group(1) == "*" else int(m.group(1))
+            hi = None if m.group(2) in (None, "*") else int(m.group(2))
+        except ValueError:  # beyond Python's int-from-string digit limit
+            raise FormatError(
+                f"type specifier {text[:60]!r}... has a bound of too many digits", field="type"
+            ) from None
         return TypeSpec("integer", text, lo, hi)
     if text.startswith("(") or not text or any(c.isspace() for c in text):
         raise FormatError(f"unknown type specifier {text!r}", field="type")

@@ -1,0 +1,191 @@
+"""Typed PRNG keys (``jax.random.key``): recognising, storing and restoring them.
+
+A typed key array has a key dtype (``key<fry>`` for ``threefry2x32``); numpy
+cannot hold it.  What a file stores is its **key data**
+(``jax.random.key_data``: ``uint32`` with the implementation's trailing key
+shape, ``(..., 2)`` for threefry) and the **implementation name**
+(``threefry2x32``, ``rbg``, ``unsafe_rbg``, ...); loading wraps the data again
+with ``jax.random.wrap_key_data``.  How each format records the name:
+
+* ``msgpack``: the map ``{'__msgpack_prng_key__': True, 'impl': name,
+  'data': <uint32 array>}`` in place of the key (the convention of flax's own
+  ``__msgpack_chunked_array__``; flax has none for keys, and reads such a file
+  as that plain map);
+* ``safetensors``: the key data is an ordinary ``U32`` tensor, and its node in
+  the structure document is ``{"leaf": name, "key": impl}``.
+
+Every other format refuses a key leaf with an :class:`~pytreeio.errors.EncodeError`
+naming its key path (:func:`refuse`).  Old-style keys (``jax.random.PRNGKey``,
+plain ``uint32[2]`` arrays) are ordinary arrays everywhere.
+
+jax is never imported here: nothing can be a typed key unless jax is loaded,
+and wrapping data read from a file imports it on first use.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from .errors import EncodeError, MismatchError
+
+__all__ = [
+    "is_key",
+    "is_key_dtype",
+    "impl_name",
+    "key_data",
+    "wrap",
+    "restore_key",
+    "first_key",
+    "refuse",
+    "HOLDS_KEYS",
+]
+
+#: The formats that store typed keys as keys; every other one refuses them.
+HOLDS_KEYS = frozenset({"msgpack", "safetensors"})
+
+
+def is_key_dtype(dtype: Any) -> bool:
+    """True for a jax PRNG key dtype (``key<fry>``); numpy dtypes never are."""
+    if dtype is None or isinstance(dtype, np.dtype):
+        return False
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return False
+    try:
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+    except TypeError:
+        return False
+
+
+def is_key(x: Any) -> bool:
+    """True for a typed PRNG key array or a ``ShapeDtypeStruct`` of one."""
+    return is_key_dtype(getattr(x, "dtype", None))
+
+
+def impl_name(x: Any) -> str:
+    """The name of a key's PRNG implementation (``threefry2x32``), for an array or a ShapeDtypeStruct."""
+    impl = getattr(x.dtype, "_impl", None)
+    name = getattr(impl, "name", None)
+    if isinstance(name, str):
+        return name
+    import jax
+
+    found = jax.random.key_impl(x)
+    return found if isinstance(found, str) else str(found)
+
+
+def key_data(x: Any, where: str) -> tuple[str, np.ndarray]:
+    """``(implementation name, uint32 key data on the host)`` of a typed key array."""
+    import jax
+
+    name = impl_name(x)
+    try:
+        data = np.asarray(jax.random.key_data(x))
+    except Exception as exc:  # a tracer or an abstract value: nothing to write
+        raise EncodeError(
+            f"this PRNG key has no values to write ({type(exc).__name__})", key_path=where
+        ) from None
+    return name, data
+
+
+def wrap(data: Any, impl: Any, fail: Any) -> Any:
+    """``jax.random.wrap_key_data(data, impl=impl)``; ``fail(reason)`` builds the error otherwise.
+
+    ``data`` must be a ``uint32`` array whose trailing shape is the
+    implementation's key shape, and ``impl`` a name jax knows.
+    """
+    if not isinstance(impl, str) or not impl:
+        raise fail(f"a PRNG key's implementation must be a name, found {impl!r:.60}")
+    dt = getattr(data, "dtype", None)
+    if not isinstance(data, np.ndarray) or dt != np.dtype(np.uint32):
+        found = np.dtype(dt).name if isinstance(dt, np.dtype) else type(data).__name__
+        raise fail(f"PRNG key data must be a uint32 array, found {found}")
+    import jax
+
+    try:
+        arr: Any = data  # wrap_key_data takes numpy arrays too
+        return jax.random.wrap_key_data(arr, impl=impl)
+    except Exception as exc:  # unknown implementation, wrong trailing shape
+        raise fail(f"cannot rebuild a {impl!r:.60} PRNG key: {exc}".split("\n")[0]) from None
+
+
+def restore_key(native: Any, like: Any, path: str, *, place: bool = True) -> Any:
+    """The key ``native`` (a typed key a decoder rebuilt) checked against ``like`` (a key or its ShapeDtypeStruct).
+
+    Shape and implementation must match exactly; a plain ``uint32`` array is
+    not turned into a key (nor a key into one): that is a
+    :class:`MismatchError`, as any other type difference.  With ``place``
+    the key goes to ``like``'s sharding when ``like`` is a jax value.
+    """
+    from .tree import describe_leaf
+
+    if not is_key(like) or not is_key(native):
+        raise MismatchError(
+            "type differs", key_path=path, expected=describe_leaf(like), found=describe_leaf(native)
+        )
+    if tuple(native.shape) != tuple(like.shape) or impl_name(native) != impl_name(like):
+        raise MismatchError(
+            "shape or PRNG implementation differs",
+            key_path=path,
+            expected=f"{describe_leaf(like)} ({impl_name(like)})",
+            found=f"{describe_leaf(native)} ({impl_name(native)})",
+        )
+    if place and type(like).__module__.startswith(("jax", "jaxlib")):
+        import jax
+
+        return jax.device_put(native, getattr(like, "sharding", None))
+    return native
+
+
+def first_key(tree: Any) -> str | None:
+    """The canonical key path of the first typed PRNG key leaf in ``tree``, or None."""
+    if "jax" not in sys.modules:
+        return None
+    from .tree import iter_leaves, key_string
+
+    try:
+        for path, leaf in iter_leaves(tree):
+            if is_key(leaf):
+                return key_string(path) or "<root>"
+    except TypeError:  # a tree pytreeio cannot walk (bool dict keys, ...): the format says why
+        return None
+    return None
+
+
+def refuse(tree: Any, format_name: str) -> None:
+    """Raise :class:`EncodeError` naming the first typed PRNG key in ``tree`` (for formats that cannot hold keys).
+
+    ``tree`` may also be a :class:`pytreeio.model.Model` (its layers' arrays
+    and optimizer slots are looked at).
+    """
+    if format_name in HOLDS_KEYS or "jax" not in sys.modules:
+        return
+    where = _first_model_key(tree) if _is_model(tree) else first_key(tree)
+    if where is not None:
+        raise EncodeError(
+            f"format {format_name!r} cannot store a typed PRNG key "
+            "(jax.random.key); save it in msgpack or safetensors, or store "
+            "jax.random.key_data(key) as a plain uint32 array",
+            key_path=where,
+        )
+
+
+def _is_model(x: Any) -> bool:
+    return type(x).__name__ == "Model" and type(x).__module__ == "pytreeio.model"
+
+
+def _first_model_key(model: Any) -> str | None:
+    for i, layer in enumerate(model.layers):
+        for name, arr in layer.arrays.items():
+            if is_key(arr):
+                return f"layers[{i}].{name}"
+    opt = model.opt_state
+    if opt is not None:
+        for slot, values in opt.slots.items():
+            for j, arr in enumerate(values):
+                if arr is not None and is_key(arr):
+                    return f"opt_state.{slot}[{j}]"
+    return None
