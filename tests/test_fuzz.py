@@ -148,8 +148,8 @@ def test_bullet_step_txt_of_millions_of_lines_costs_its_size_only() -> None:
     from pytreeio.fmt import bullet
 
     seed = next(s for s in default_seeds("bullet") if isinstance(s, Seed))
+    assert isinstance(seed.data, dict)
     files = dict(seed.data)
-    assert isinstance(files, dict)
     files[bullet.STEP] = files[bullet.STEP].splitlines(keepends=True)[0] * 4_000_000
     size = sum(len(v) for v in files.values())
     with _PeakMemory() as memory:
