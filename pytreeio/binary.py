@@ -18,6 +18,7 @@ dimensions than it supports and for a shape like ``(0, 2**62, 2**62)``
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -76,6 +77,7 @@ def _numpy_max_ndim() -> int:
 MAX_NDIM = _numpy_max_ndim()
 #: Bound on ``itemsize * product of the non-zero dimensions`` (numpy needs it below 2**63).
 MAX_ARRAY_BYTES = 2**62
+_FAST_DIM = 2**31
 
 
 def check_shape(
@@ -93,6 +95,16 @@ def check_shape(
     them, a zero ``itemsize``, or a nominal size (zeros skipped, as numpy
     computes it) of :data:`MAX_ARRAY_BYTES` or more.
     """
+
+    # The common case first (a few plain positive ints): this runs once per tensor read.
+    if (
+        itemsize > 0
+        and len(shape) <= 8
+        and all(type(d) is int and 0 < d < _FAST_DIM for d in shape)
+    ):
+        count = math.prod(shape)
+        if count * itemsize < MAX_ARRAY_BYTES:
+            return count
 
     def bad(reason: str) -> FormatError:
         return FormatError(reason, path=path, field=field, offset=offset)
@@ -282,14 +294,16 @@ class Reader:
         against the remaining bytes before numpy sees either, so an absurd
         shape cannot trigger an allocation, an overflow or a numpy error.
         """
-        dt = np.dtype(dtype)
+        dt = dtype if type(dtype) is np.dtype else np.dtype(dtype)
         count = check_shape(shape, dt.itemsize, path=self.source, field=field, offset=self.offset)
         nbytes = count * dt.itemsize
-        self.need(nbytes, field)
         pos = self.pos
+        if nbytes > len(self.view) - pos:
+            self.need(nbytes, field)  # raises, naming the field and offset
         self.pos = pos + nbytes
         # One ndarray object straight on the buffer (frombuffer + reshape makes two).
-        return np.ndarray(tuple(int(d) for d in shape), dt, buffer=self.view, offset=pos)
+        dims = shape if type(shape) is tuple else tuple(shape)
+        return np.ndarray(dims, dt, buffer=self.view, offset=pos)
 
 
 class Writer:
