@@ -10,6 +10,7 @@ nothing about any particular format.
 from __future__ import annotations
 
 import os
+import traceback
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -185,6 +186,20 @@ def _takes(fn: Any, name: str) -> bool:
 def _restore(
     fmt: Format, native: Any, meta: dict[str, Any], like: Any, options: Mapping[str, Any]
 ) -> Any:
+    """``native`` in ``like``'s structure; a failure leaves nothing of the partial result alive."""
+    try:
+        return _restore_into(fmt, native, meta, like, options)
+    except BaseException as exc:
+        # The traceback keeps the finished frames, and their locals the arrays (device
+        # buffers too) built before the failure: clear them, so a caller holding the
+        # error holds none of the half-restored tree.
+        traceback.clear_frames(exc.__traceback__)
+        raise
+
+
+def _restore_into(
+    fmt: Format, native: Any, meta: dict[str, Any], like: Any, options: Mapping[str, Any]
+) -> Any:
     from . import model as model_mod
     from .conversion import carried
 
@@ -300,6 +315,7 @@ def load(
     *,
     format: str | Format | None = None,
     mmap: bool = False,
+    verify: bool = False,
     **options: Any,
 ) -> Any:
     """Load a checkpoint.
@@ -315,13 +331,21 @@ def load(
       format: format name; by default sniffed from the content.
       mmap: map the file instead of reading it; arrays are then read-only
         views of the mapping.
+      verify: check the checkpoint's checksums before returning it: the
+        per-tensor checksums of pytreeio's safetensors files and the
+        manifest (:mod:`pytreeio.checksum`) when there is one.  Off by
+        default: a plain load hashes nothing.
       **options: the format's load options; others raise ``TypeError``.
 
     Raises:
-      FormatError: the bytes are malformed (names the file, field, offset).
+      FormatError: the bytes are malformed (names the file, field, offset),
+        or with ``verify`` a checksum does not match (names the tensor or file).
       MismatchError: the file and ``like`` disagree (names the key path).
     """
-    fmt, native, meta = _decode_path(path, format, mmap, options)
+    if verify:
+        fmt, native, meta = _decode_verified(path, format, mmap, options)
+    else:
+        fmt, native, meta = _decode_path(path, format, mmap, options)
     if like is None:
         return native
     with _errors_located(path):
@@ -456,18 +480,45 @@ def convert_buffer(
     )
 
 
+def _decode_verified(
+    path: PathLike, format: str | Format | None, mmap: bool, options: Mapping[str, Any]
+) -> tuple[Format, Any, dict[str, Any]]:
+    """:func:`_decode_path` with the format's checksums checked, then the manifest if any."""
+    from . import checksum
+
+    fmt = _format_for_load(path, format)
+    if "verify" in fmt.load_options:
+        options = {**options, "verify": True}
+    result = _decode_path(path, fmt, mmap, options)
+    checksum.check_manifest(path, fmt)
+    return result
+
+
 def verify(path: PathLike, format: str | Format | None = None, **options: Any) -> Info:
     """Decode a whole checkpoint (every byte checked) and return its :class:`Info`.
 
-    ``options`` are the format's load options.  A format that can check its
-    derived data (bullet's ``quantised.bin`` against ``raw.bin``, given
-    ``saved_format=``) reports it in the returned meta, e.g.
-    ``info.meta["quantisation_error"]`` (largest absolute error per tensor).
+    ``options`` are the format's load options.  Checksums are checked: the
+    per-tensor ones of pytreeio's safetensors files and the checkpoint's
+    manifest when it has one (:mod:`pytreeio.checksum`); a mismatch is a
+    :class:`FormatError` naming the tensor (``field``, with its data
+    ``offset``) or the file and directory member.  The returned meta
+    reports NaNs and infinities of floating entries of the native tree as
+    ``info.meta["nonfinite"] = {entry: {"nan": n, "inf": m}}`` (only entries
+    that have any).  A format that can check its derived data (bullet's
+    ``quantised.bin`` against ``raw.bin``, given ``saved_format=``) reports it
+    too, e.g. ``info.meta["quantisation_error"]`` (largest absolute error per
+    tensor).
     """
+    from . import checksum
+
     fmt = _format_for_load(path, format)
     if "check_quantised" in fmt.load_options and "saved_format" in options:
         options = {"check_quantised": True, **options}
-    _, _, meta = _decode_path(path, fmt, False, options)
+    _, native, meta = _decode_verified(path, fmt, False, options)
+    nonfinite = checksum.nonfinite_counts(native)
+    del native
     info = inspect(path, format=fmt)
     report = {k: meta[k] for k in ("quantisation_error",) if k in meta}
+    if nonfinite:
+        report["nonfinite"] = nonfinite
     return Info(info.format, info.entries, {**info.meta, **report}, info.path)

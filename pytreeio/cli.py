@@ -6,6 +6,7 @@ Synopsis::
     pytreeio formats [--json]
     pytreeio inspect PATH [--format NAME] [--json]
     pytreeio verify  PATH [--format NAME] [--opt NAME=VALUE ...] [--json]
+    pytreeio checksum PATH [--format NAME]
     pytreeio convert SRC DST --to NAME [--from NAME] [--meta JSON|@FILE]
                      [--opt NAME=VALUE ...] [--lossy] [--force] [--no-fsync]
     pytreeio diff A B [--format NAME] [--format-a NAME] [--format-b NAME]
@@ -348,6 +349,22 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         summary = _quantisation_summary(info.meta.get("quantisation_error"))
         if summary:
             print(f"  {summary}")
+        nonfinite = info.meta.get("nonfinite")
+        if isinstance(nonfinite, Mapping):
+            for entry, counts in nonfinite.items():
+                print(
+                    f"  non-finite: {entry}: {counts.get('nan', 0)} NaN, {counts.get('inf', 0)} inf"
+                )
+    return EXIT_OK
+
+
+def _cmd_checksum(args: argparse.Namespace) -> int:
+    from . import checksum
+
+    path = resolve_path(args.path, args.format)
+    where = checksum.write_manifest(path, format=args.format)
+    if not args.quiet:
+        print(f"{where}: written")
     return EXIT_OK
 
 
@@ -517,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode a whole checkpoint, checking every byte",
         description=_para(
             "Decode a whole checkpoint, checking every byte, and report its entries. "
+            "Checksums are checked (pytreeio's per-tensor safetensors checksums, and the "
+            "manifest `pytreeio checksum` writes, when present); NaNs and infinities of "
+            "floating entries are reported. "
             "Formats that can check derived data report it (bullet with "
             "--opt saved_format=[...]: the largest quantisation error per tensor)."
         ),
@@ -537,6 +557,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--json",
         action="store_true",
         help="print the checkpoint's info as JSON with \"ok\" (and the format's report)",
+    )
+
+    p = add(
+        "checksum",
+        _cmd_checksum,
+        help="write a checksum manifest that `verify` checks",
+        description=_para(
+            "Record the size and xxh3_64 checksum of every file of the checkpoint in a "
+            "sidecar manifest the original systems ignore: <file>.pytreeio-sum.json next to a "
+            "single file, pytreeio-sum.json inside a directory (the next save of a directory "
+            "checkpoint drops it). `pytreeio verify` and load(..., verify=True) check it and "
+            "name the file that changed."
+        ),
+        epilog=f"{formats_text}\n\n{_EXIT}",
+    )
+    p.add_argument("path", metavar="PATH", help="the checkpoint: file, directory or stem")
+    p.add_argument(
+        "--format", metavar="NAME", help=f"its format (default: sniffed from the content): {names}"
     )
 
     p = add(

@@ -726,7 +726,21 @@ def write_atomic(
         :class:`~pytreeio.registry.Siblings` value or
         :data:`~pytreeio.registry.DIRECTORY`.
       durable: fsync files and directories; ``False`` keeps everything else.
+
+    An ``OSError`` that names no file (``ENOSPC`` from a write, say) is
+    re-raised naming ``path``.
     """
+    try:
+        _write_atomic(path, encoded, layout, durable)
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror or str(exc), os.fspath(path)) from exc
+
+
+def _write_atomic(
+    path: str | os.PathLike[str], encoded: Encoded, layout: Layout, durable: bool
+) -> None:
     if isinstance(layout, File):
         if encoded.files is not None:
             raise TypeError("a single-file format returned a multi-file encoding")

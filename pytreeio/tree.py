@@ -486,15 +486,19 @@ def restore(
             expected=type(like).__name__,
             found=describe_leaf(native),
         )
-    values = []
+    values: list[Any] = []
     consumed = set()
-    for comp, child_like in pairs:
-        child_native = _lookup(native, comp)
-        if child_native is not MISSING:
-            consumed.add(_consumed_key(native, comp))
-        values.append(restore(child_native, child_like, path=(*path, comp), convert=convert))
-    extra = {k for k in (_native_keys(native) or set()) - consumed if _holds_data(native, k)}
-    _refuse_extra(extra, path)
+    try:
+        for comp, child_like in pairs:
+            child_native = _lookup(native, comp)
+            if child_native is not MISSING:
+                consumed.add(_consumed_key(native, comp))
+            values.append(restore(child_native, child_like, path=(*path, comp), convert=convert))
+        extra = {k for k in (_native_keys(native) or set()) - consumed if _holds_data(native, k)}
+        _refuse_extra(extra, path)
+    except BaseException:
+        values.clear()  # the traceback keeps this frame: let go of the leaves made so far
+        raise
     return rebuild(values)
 
 
@@ -517,10 +521,14 @@ def _restore_plain_dict(
 ) -> dict[str, Any]:
     """The common case (str-keyed dicts on both sides), keeping ``like``'s key order."""
     out = {}
-    for k, child_like in like.items():
-        out[k] = restore(native.get(k, MISSING), child_like, path=(*path, k), convert=convert)
-    if len(native) != len(like):
-        _refuse_extra({k for k in native if k not in like and _holds_data(native, k)}, path)
+    try:
+        for k, child_like in like.items():
+            out[k] = restore(native.get(k, MISSING), child_like, path=(*path, k), convert=convert)
+        if len(native) != len(like):
+            _refuse_extra({k for k in native if k not in like and _holds_data(native, k)}, path)
+    except BaseException:
+        out.clear()  # the traceback keeps this frame: let go of the leaves made so far
+        raise
     return out
 
 

@@ -242,7 +242,7 @@ def test_registry_record_v2() -> None:
 
     fmt = fmt_st.FORMAT
     assert fmt.layout is FILE and fmt.accepts_meta and fmt.keeps_meta
-    assert fmt.save_options == set() and fmt.load_options == set()
+    assert fmt.save_options == {"checksum"} and fmt.load_options == {"verify"}
     blob = ptio.encode({"w": np.ones(2)}, "safetensors").tobytes()
     assert fmt.sniff(Probe(Path("x"), head=blob[:4096], size=len(blob))) == MAGIC
     other = struct.pack("<Q", 8) + b'{"a":1} ' + b"\0" * 8

@@ -107,6 +107,7 @@ _META = "__metadata__"
 _TREE_KEY = "pytreeio.tree"
 _META_KEY = "pytreeio.meta"
 _VERSION_KEY = "pytreeio.version"
+_SUM_KEY = "pytreeio.xxh3_64"
 
 _CODE_TO_NAME = {
     "BOOL": "bool",
@@ -241,8 +242,12 @@ def _meta_json(meta: Mapping[str, Any]) -> str:
     return text
 
 
-def encode(tree: Any, *, meta: Mapping[str, Any] | None = None) -> Encoded:
-    """The safetensors encoding of any pytree (array buffers referenced, not copied)."""
+def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, checksum: bool = True) -> Encoded:
+    """The safetensors encoding of any pytree (array buffers referenced, not copied).
+
+    ``checksum`` (default on) records each tensor's xxh3_64 checksum, hashed
+    from the array's own buffer, in ``__metadata__["pytreeio.xxh3_64"]``.
+    """
     col = _Collector()
     structure = col.structure(tree)
     metadata = {
@@ -252,6 +257,11 @@ def encode(tree: Any, *, meta: Mapping[str, Any] | None = None) -> Encoded:
     }
     if meta:
         metadata[_META_KEY] = _meta_json(meta)
+    if checksum:
+        from ..checksum import array_checksum
+
+        sums = {name: array_checksum(arr) for name, arr in col.tensors}
+        metadata[_SUM_KEY] = json.dumps(sums, separators=(",", ":"), ensure_ascii=False)
     # Largest items first keeps every tensor aligned to its dtype (the header is 8-aligned).
     order = sorted(range(len(col.tensors)), key=lambda i: -col.tensors[i][1].dtype.itemsize)
     header: dict[str, Any] = {_META: metadata}
@@ -540,16 +550,53 @@ def _field_name(f: Any) -> bool:
     )
 
 
-def decode(buffer: Any) -> Decoded:
-    """The tree in a safetensors buffer (arrays are views of it)."""
+def _check_sums(header: _Header, r: Reader, total: int) -> None:
+    """Compare each tensor's data with its recorded checksum (files without any: nothing)."""
+    from ..checksum import buffer_checksum
+
+    if _SUM_KEY not in header.metadata:
+        return
+    sums = _document(header, _SUM_KEY, 2, total)
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        raise r.error(f"{_SUM_KEY} must map tensor names to checksums", _SUM_KEY, 8)
+    unknown = sorted(set(sums) - set(header.entries))
+    if unknown:
+        raise r.error(f"{_SUM_KEY} names tensors the file lacks: {unknown[:5]}", _SUM_KEY, 8)
+    base = 8 + header.n
+    view = r.view
+    for name, (_dt, _shape, b, e) in sorted(header.entries.items(), key=lambda kv: kv[1][2]):
+        want = sums.get(name)
+        if want is None:
+            raise r.error(f"tensor {name!r:.80} has no checksum", name, base + b)
+        found = buffer_checksum(view[base + b : base + e])
+        if found != want:
+            raise r.error(
+                f"tensor {name!r:.80}: data corrupted ({e - b} bytes hash to "
+                f"xxh3_64 {found}, recorded {want:.20})",
+                name,
+                base + b,
+            )
+
+
+def decode(buffer: Any, *, verify: bool = False) -> Decoded:
+    """The tree in a safetensors buffer (arrays are views of it).
+
+    ``verify`` checks the per-tensor checksums pytreeio records (files from
+    other tools have none); a mismatch is a :class:`FormatError` whose
+    ``field`` is the tensor's name and ``offset`` the start of its data.
+    """
     r = Reader(buffer)
     total = r.remaining
     header = _read_header(r, total)
+    if verify:
+        _check_sums(header, r, total)
     base = 8 + header.n
-    arrays: dict[str, np.ndarray] = {}
-    for name, (dt, shape, b, _e) in header.entries.items():
-        r.pos = base + b
-        arrays[name] = r.array(dt, shape, name)
+    view = r.view
+    # _read_header checked every shape and that each tensor's bytes lie in the data section
+    arrays = {
+        name: np.ndarray(shape, dt, buffer=view, offset=base + b)
+        for name, (dt, shape, b, _e) in header.entries.items()
+    }
     md = header.metadata
     if _TREE_KEY not in md:
         return Decoded(arrays, dict(md))
