@@ -44,7 +44,7 @@ dest, fmt, mode, base = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 def tree(v):
     def full(*shape, value=None):
         return np.full(shape, v if value is None else value, np.float32)
-    if fmt == "safetensors":
+    if fmt in ("safetensors", "msgpack"):
         return {"a": full(1024, 6144), "b": full(1024, 1536)}
     if fmt == "netcl-checkpoint":
         # netcl keeps the moments in the JSON sidecar: big params, small moments' share
@@ -177,10 +177,12 @@ def _temporaries(directory: Path) -> set[str]:
 
 
 def _dest(tmp_path: Path, fmt: str) -> Path:
-    return tmp_path / ("ckpt.safetensors" if fmt == "safetensors" else "ckpt")
+    return tmp_path / {"safetensors": "ckpt.safetensors", "msgpack": "ckpt.msgpack"}.get(
+        fmt, "ckpt"
+    )
 
 
-FORMATS = ["safetensors", "netcl-checkpoint", "waffe2", "bullet"]
+FORMATS = ["safetensors", "msgpack", "netcl-checkpoint", "waffe2", "bullet"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
