@@ -504,21 +504,19 @@ def verify(path: PathLike, format: str | Format | None = None, **options: Any) -
     ``offset``) or the file and directory member.  The returned meta
     reports NaNs and infinities of floating entries of the native tree as
     ``info.meta["nonfinite"] = {entry: {"nan": n, "inf": m}}`` (only entries
-    that have any).  A format that can check its derived data (bullet's
-    ``quantised.bin`` against ``raw.bin``, given ``saved_format=``) reports it
-    too, e.g. ``info.meta["quantisation_error"]`` (largest absolute error per
-    tensor).
+    that have any).  What a format's own checks report (its decode called with
+    ``verify=True`` fills ``meta[registry.REPORT]``; bullet's largest
+    quantisation error per tensor, given ``saved_format=``) is merged in too,
+    e.g. ``info.meta["quantisation_error"]``.
     """
     from . import checksum
 
     fmt = _format_for_load(path, format)
-    if "check_quantised" in fmt.load_options and "saved_format" in options:
-        options = {"check_quantised": True, **options}
     _, native, meta = _decode_verified(path, fmt, False, options)
     nonfinite = checksum.nonfinite_counts(native)
     del native
     info = inspect(path, format=fmt)
-    report = {k: meta[k] for k in ("quantisation_error",) if k in meta}
+    report = dict(meta.get(registry.REPORT) or {})
     if nonfinite:
         report["nonfinite"] = nonfinite
     return Info(info.format, info.entries, {**info.meta, **report}, info.path)

@@ -67,6 +67,11 @@ __all__ = [
     "best_match",
 ]
 
+#: Meta key under which a ``decode`` called with ``verify=True`` reports what its checks
+#: found beyond "no error" (bullet: the quantisation error per tensor); ``ptio.verify``
+#: merges it into the returned :class:`Info`'s meta.
+REPORT = "pytreeio.report"
+
 #: Sniff scores: a magic number matched, a structure recognised, a weak guess.
 MAGIC = 100.0
 STRUCTURE = 50.0

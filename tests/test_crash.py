@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import os
 import random
-import select
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from saver_process import SaverProcess
 
 from pytreeio import io
 from pytreeio.registry import DIRECTORY, FILE, Encoded, Siblings
 
-REPO = Path(__file__).resolve().parents[1]
 SIZE = 24 << 20  # the big file of each version; the second one is a quarter of it
 
 
@@ -90,54 +86,14 @@ while True:
 """
 
 
-class Child:
-    """A saver process and what it reported on stdout."""
+class Child(SaverProcess):
+    """A saver of one io layout (see CHILD)."""
 
     def __init__(
         self, dest: Path, layout: str, mode: str = "loop", base: int = 0, durable: bool = False
     ) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO), CRASH_DURABLE="1" if durable else "0")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(dest), layout, str(SIZE), mode, str(base)],
-            stdout=subprocess.PIPE,
-            env=env,
-            cwd=str(REPO),
-        )
-        self.lines: list[str] = []
-        self.times: list[float] = []
-
-    @property
-    def save_seconds(self) -> float:
-        """How long the first save took (from its "start" to its "done" line)."""
-        return self.times[1] - self.times[0] if len(self.times) > 1 else 0.1
-
-    def wait_for(self, word: str, timeout: float = 20.0) -> None:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while not any(line.startswith(word) for line in self.lines):
-            left = deadline - time.monotonic()
-            assert left > 0, f"child never printed {word!r}: {self.lines}"
-            ready, _, _ = select.select([self.proc.stdout], [], [], left)
-            if ready:
-                line = self.proc.stdout.readline().decode()
-                assert line, f"child exited ({self.proc.poll()}) before {word!r}"
-                self.lines.append(line.strip())
-                self.times.append(time.monotonic())
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        out, _ = self.proc.communicate(timeout=20)
-        self.lines += out.decode().split("\n")
-        assert self.proc.returncode == -signal.SIGKILL
-
-    def possible_versions(self) -> set[int]:
-        """The last version reported done and the one being written when killed."""
-        done = [int(line.split()[1]) for line in self.lines if line.startswith("done")]
-        started = [int(line.split()[1]) for line in self.lines if line.startswith("start")]
-        out = {started[-1]} if started else set()
-        if done:
-            out.add(done[-1])
-        return out
+        args = [str(dest), layout, str(SIZE), mode, str(base)]
+        super().__init__(CHILD, args, env={"CRASH_DURABLE": "1" if durable else "0"})
 
 
 def _version(dest: Path, layout: str) -> int:

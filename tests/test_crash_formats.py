@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import os
 import random
-import select
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from saver_process import SaverProcess
 
 import pytreeio as ptio
 
-REPO = Path(__file__).resolve().parents[1]
 ROUNDS = 6
 
 CHILD = r"""
@@ -92,47 +88,11 @@ def _tree(fmt: str, v: int) -> dict[str, Any]:
     return ns["tree"](v)  # type: ignore[no-any-return]
 
 
-class Child:
-    """A saver process and what it reported on stdout."""
+class Child(SaverProcess):
+    """A saver of one format through ``ptio.save`` (see CHILD)."""
 
     def __init__(self, dest: Path, fmt: str, mode: str = "loop", base: int = 0) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(dest), fmt, mode, str(base)],
-            stdout=subprocess.PIPE,
-            env=env,
-            cwd=str(REPO),
-        )
-        self.lines: list[str] = []
-
-    def wait_for(self, word: str, timeout: float = 60.0) -> None:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while not any(line.startswith(word) for line in self.lines):
-            left = deadline - time.monotonic()
-            assert left > 0, f"child never printed {word!r}: {self.lines}"
-            ready, _, _ = select.select([self.proc.stdout], [], [], left)
-            if ready:
-                line = self.proc.stdout.readline().decode()
-                assert line, f"child exited ({self.proc.poll()}) before {word!r}: {self.lines}"
-                self.lines.append(line.strip())
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        out, _ = self.proc.communicate(timeout=30)
-        self.lines += [line for line in out.decode().split("\n") if line]
-        assert self.proc.returncode == -signal.SIGKILL, self.proc.returncode
-
-    def possible_versions(self, previous: int | None) -> set[int]:
-        """The version on disk before the last save it started, and that save's version."""
-        done = [int(line.split()[1]) for line in self.lines if line.startswith("done")]
-        started = [int(line.split()[1]) for line in self.lines if line.startswith("start")]
-        out = {started[-1]} if started else set()
-        if done:
-            out.add(done[-1])
-        elif previous is not None:
-            out.add(previous)
-        return out
+        super().__init__(CHILD, [str(dest), fmt, mode, str(base)], env={"JAX_PLATFORMS": "cpu"})
 
 
 def _version(dest: Path, fmt: str) -> int:

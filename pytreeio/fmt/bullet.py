@@ -105,7 +105,17 @@ from ..errors import (
     QuantisationError,
 )
 from ..model import Layer, Model
-from ..registry import DIRECTORY, STRUCTURE, Decoded, Encoded, Entry, Format, Info, register
+from ..registry import (
+    DIRECTORY,
+    REPORT,
+    STRUCTURE,
+    Decoded,
+    Encoded,
+    Entry,
+    Format,
+    Info,
+    register,
+)
 
 __all__ = [
     "FORMAT",
@@ -788,7 +798,9 @@ def _check_meta(
         raise EncodeError("meta must be a dict", key_path="meta")
     # Reports a load adds (check_quantised) are not stored: re-saving loaded meta is fine.
     extra = sorted(
-        str(k) for k in meta if k not in ("saved_format", "steps", "log", "quantisation_error")
+        str(k)
+        for k in meta
+        if k not in ("saved_format", "steps", "log", "quantisation_error", REPORT)
     )
     if extra:
         raise EncodeError(f"bullet has no place for meta {extra}", key_path=f"meta.{extra[0]}")
@@ -1050,6 +1062,7 @@ def decode(
     saved_format: Sequence[Mapping[str, Any]] | None = None,
     shapes: Mapping[str, Sequence[int]] | None = None,
     check_quantised: bool = False,
+    verify: bool = False,
 ) -> Decoded:
     """A checkpoint directory's native tree and meta (see the module docstring).
 
@@ -1060,7 +1073,11 @@ def decode(
       shapes: ``{id: shape}`` for tensors whose shape the records do not tell.
       check_quantised: dequantise quantised.bin and report the largest error
         against raw.bin per entry in ``meta["quantisation_error"]``.
+      verify: check everything the file allows (``ptio.verify`` passes it): with
+        ``saved_format``, as ``check_quantised``, the report also under
+        ``meta[pytreeio.registry.REPORT]``.
     """
+    check_quantised = check_quantised or (verify and saved_format is not None)
     if saved_format is None and check_quantised:
         raise MismatchError(
             "check_quantised needs the layout: pass saved_format=",
@@ -1098,6 +1115,8 @@ def decode(
         meta["log"] = _text(source[LOG], LOG)
     if specs is not None:
         _check_layout(source, specs, native["weights"], all_shapes, check_quantised, meta)
+        if verify:
+            meta[REPORT] = {"quantisation_error": meta["quantisation_error"]}
     return Decoded(native, meta)
 
 
