@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from . import jsonsafe
+from . import io, jsonsafe
 from .errors import FormatError
 
 __all__ = [
@@ -108,15 +108,9 @@ def file_checksum(path: str | os.PathLike[str]) -> tuple[int, str]:
     """``(size, checksum)`` of a file, read in 16 MiB chunks (bounded memory)."""
     h = _xxhash().xxh3_64()
     size = 0
-    buf = bytearray(_READ_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb") as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-            size += n
+    for view in io.read_chunks(path, _READ_CHUNK):
+        h.update(view)
+        size += len(view)
     return size, f"{h.intdigest():016x}"
 
 
@@ -140,10 +134,9 @@ def _members(path: Path, fmt: Any) -> tuple[Path, Path, dict[str, Path]]:
         root = path.resolve()
         if not root.is_dir():
             raise FormatError("is not a directory", path=os.fspath(path))
-        from . import io
 
         # the files the format's decoder sees (pytreeio's locks and temporaries skipped)
-        files = {rel: root / rel for rel in io._walk(root) if rel != MANIFEST_NAME}
+        files = {rel: root / rel for rel in io.walk(root) if rel != MANIFEST_NAME}
         return root / MANIFEST_NAME, root, files
     if isinstance(layout, Siblings):
         located = [Path(p) for p in layout.locate(path).values()]
@@ -172,7 +165,6 @@ def write_manifest(path: str | os.PathLike[str], format: Any = None) -> Path:
     sibling files or a directory).  The manifest is written atomically and
     its path returned.
     """
-    from . import io
     from .registry import Encoded
 
     p = Path(path)
@@ -201,8 +193,7 @@ def _read_manifest(where: Path) -> dict[str, tuple[int, str]]:
     def bad(why: str) -> FormatError:
         return FormatError(f"malformed manifest: {why}", path=name, field="manifest")
 
-    with open(where, "rb") as f:
-        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    raw = io.read_head(where, MAX_MANIFEST_BYTES)
     if len(raw) > MAX_MANIFEST_BYTES:
         raise bad(f"larger than {MAX_MANIFEST_BYTES} bytes")
     doc = jsonsafe.loads(

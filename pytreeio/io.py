@@ -122,6 +122,9 @@ __all__ = [
     "read_file",
     "FileSource",
     "FileSet",
+    "walk",
+    "read_chunks",
+    "read_head",
 ]
 
 T = TypeVar("T")
@@ -1009,6 +1012,29 @@ def _open_regular(path: str | os.PathLike[str], dir_fd: int | None = None) -> in
         pass
     os.close(fd)
     return None
+
+
+def walk(root: str | os.PathLike[str]) -> list[str]:
+    """The files of a directory checkpoint as its decoder sees them (relative POSIX paths)."""
+    return sorted(_walk(Path(root)))
+
+
+def read_chunks(path: str | os.PathLike[str], chunk: int = 16 << 20) -> Iterator[memoryview]:
+    """A file's bytes in order, ``chunk`` at a time, through one reused buffer (bounded memory).
+
+    Each view is valid until the next one is produced.
+    """
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            yield view[:n]
+
+
+def read_head(path: str | os.PathLike[str], limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of a small file (so the caller can tell it is too long)."""
+    with open(path, "rb") as f:
+        return f.read(limit + 1)
 
 
 def _walk(root: Path, *, dir_fd: int | None = None, limit: int | None = None) -> Iterator[str]:
