@@ -9,26 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy
+from model_data import MLP_LAYERS, mlp_params
 
 import pytreeio as ptio
 from pytreeio import checksum, cli
 from pytreeio.errors import FormatError
 
-LAYERS = ["Linear", "ReLU", "Linear"]
+LAYERS = MLP_LAYERS
 
 
-def _params() -> dict[str, dict[str, np.ndarray]]:
-    rng = np.random.default_rng(0)
-    return {
-        "Dense_0": {
-            "kernel": rng.standard_normal((4, 8)).astype(np.float32),
-            "bias": rng.standard_normal(8).astype(np.float32),
-        },
-        "Dense_1": {
-            "kernel": rng.standard_normal((8, 3)).astype(np.float32),
-            "bias": rng.standard_normal(3).astype(np.float32),
-        },
-    }
+_params = mlp_params
 
 
 def _flip(path: Path, offset: int) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from model_data import MLP_LAYERS, mlp_params
 
 from pytreeio import api, cli
 from pytreeio.errors import FormatError, MismatchError, UnknownFormatError
@@ -204,21 +205,10 @@ def test_the_module_runs_as_a_command(tmp_path: Path) -> None:
 # global flags, help, warnings
 # --------------------------------------------------------------------------
 
-LAYERS = ["Linear", "ReLU", "Linear"]
+LAYERS = MLP_LAYERS
 
 
-def _params() -> dict[str, dict[str, np.ndarray]]:
-    rng = np.random.default_rng(0)
-    return {
-        "Dense_0": {
-            "kernel": rng.standard_normal((4, 8)).astype(np.float32),
-            "bias": rng.standard_normal(8).astype(np.float32),
-        },
-        "Dense_1": {
-            "kernel": rng.standard_normal((8, 3)).astype(np.float32),
-            "bias": rng.standard_normal(3).astype(np.float32),
-        },
-    }
+_params = mlp_params
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from model_data import mlp_params
 
 import pytreeio as ptio
 from pytreeio import cli
@@ -21,18 +22,7 @@ from pytreeio import diff as D
 LAYERS = ["Linear", "ReLU", "Linear"]
 
 
-def _params(seed: int = 0) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
-    return {
-        "Dense_0": {
-            "kernel": rng.standard_normal((4, 8)).astype(np.float32),
-            "bias": rng.standard_normal(8).astype(np.float32),
-        },
-        "Dense_1": {
-            "kernel": rng.standard_normal((8, 3)).astype(np.float32),
-            "bias": rng.standard_normal(3).astype(np.float32),
-        },
-    }
+_params = mlp_params
 
 
 def _flip_bit(a: np.ndarray, index: int, bit: int = 0) -> np.ndarray:
