@@ -51,6 +51,8 @@ __all__ = [
     "Entry",
     "Info",
     "Probe",
+    "Slot",
+    "Slots",
     "Layout",
     "File",
     "Siblings",
@@ -312,6 +314,91 @@ def _human(n: int) -> str:
 
 
 # --------------------------------------------------------------------------
+# lazy reads: where each entry's bytes lie
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one array of a native tree lies in a checkpoint's bytes (for lazy, partial reads).
+
+    A format's ``slots`` function returns the native tree with every array leaf replaced
+    by one of these; :meth:`read` then produces exactly the array ``decode``
+    would have put there (same dtype, shape and bits), touching only that
+    entry's bytes.
+
+    Attributes:
+      key: the entry's name as ``inspect`` reports it (for errors and views).
+      offset: byte offset of the stored data in its file.
+      nbytes: stored size in bytes (``read`` reads exactly this many).
+      shape: the array's shape as decode returns it.
+      dtype: the stored dtype (byte order included); the result is this
+        dtype converted to native byte order when it differs.
+      role: for multi-file layouts the key of the file in the source mapping
+        (a sibling role or a directory's relative path); None for ``FILE``.
+      fortran: the data is stored column-major (read as ``order="F"``, returned
+        C-contiguous).
+      convert: for entries that are not one plain stored range (a quantised
+        tensor, an assembled or transposed value), applied to the array read
+        from ``(offset, nbytes, dtype, stored shape)`` -- ``stored`` is then the
+        stored shape and ``shape`` the result's.
+      stored: the stored shape when ``convert`` changes it (else ``shape``).
+      reader: for entries that cannot be read as one range at all (a
+        compressed ZIP member), ``reader(source) -> ndarray`` replaces the
+        range read; it receives the entry's file source.
+    """
+
+    key: str
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: Any
+    role: str | None = None
+    fortran: bool = False
+    convert: Callable[[Any], Any] | None = None
+    stored: tuple[int, ...] | None = None
+    reader: Callable[[Any], Any] | None = None
+
+    def source_of(self, source: Any) -> Any:
+        """This entry's :class:`pytreeio.binary.ByteSource` in ``source`` (one, or a mapping)."""
+        return source if self.role is None else source[self.role]
+
+    def read(self, source: Any) -> Any:
+        """The entry's array, read from ``source`` (a ByteSource or a mapping of them)."""
+        import numpy as np
+
+        src = self.source_of(source)
+        if self.reader is not None:
+            return self.reader(src)
+        raw = src.read(self.offset, self.nbytes, self.key)
+        dtype = np.dtype(self.dtype)
+        shape = self.stored if self.stored is not None else self.shape
+        arr = np.frombuffer(raw, dtype=dtype).reshape(shape, order="F" if self.fortran else "C")
+        if not dtype.isnative:
+            arr = arr.astype(dtype.newbyteorder("="))
+        arr = np.ascontiguousarray(arr)
+        if self.convert is not None:
+            arr = self.convert(arr)
+        if not arr.flags.writeable:
+            arr = arr.copy()
+        return arr
+
+
+@dataclass(frozen=True)
+class Slots:
+    """What a format's ``slots(source, *, <load options>)`` returns.
+
+    ``tree`` is the native tree ``decode`` would return with every array leaf
+    replaced by its :class:`Slot` (other leaves -- scalars, strings, None --
+    as decode returns them); ``meta`` is decode's meta.  Reading every slot
+    and putting the arrays in place gives ``decode``'s result bit for bit.
+    """
+
+    tree: Any
+    meta: dict[str, Any]
+
+
+# --------------------------------------------------------------------------
 # the Format record
 # --------------------------------------------------------------------------
 
@@ -380,6 +467,10 @@ class Format(NamedTuple):
       from_model: ``from_model(model, *, <save options>) -> (native, meta)``.
       accepts_meta: ``encode`` uses the caller's ``meta``.
       keeps_meta: the ``meta`` given on save comes back from ``decode``.
+      slots: ``slots(source, *, <load options>) -> Slots`` for lazy and partial
+        loads (``pytreeio.open``): where each native array lies, read from
+        headers only (``source`` as for ``inspect``); None when the format
+        has none (lazy views then decode the whole checkpoint once).
     """
 
     name: str
@@ -395,6 +486,7 @@ class Format(NamedTuple):
     from_model: Callable[..., Any] | None = None
     accepts_meta: bool = True
     keeps_meta: bool = True
+    slots: Callable[..., Slots] | None = None
 
     @property
     def is_model_format(self) -> bool:
@@ -413,6 +505,7 @@ class Format(NamedTuple):
             declared_options(self.decode)
             | declared_options(self.restore)
             | declared_options(self.to_model)
+            | declared_options(self.slots)
         )
 
     def check_options(self, options: Mapping[str, Any], direction: str) -> None:
@@ -457,7 +550,7 @@ def register(fmt: Format, *, replace: bool = False) -> Format:
         raise TypeError(f"register() takes a pytreeio.Format, not {type(fmt).__name__}")
     if not isinstance(fmt.layout, File | Siblings | Directory):
         raise TypeError(f"format {fmt.name!r}: layout must be FILE, Siblings(...) or DIRECTORY")
-    for fn in (fmt.encode, fmt.decode, fmt.restore, fmt.to_model, fmt.from_model):
+    for fn in (fmt.encode, fmt.decode, fmt.restore, fmt.to_model, fmt.from_model, fmt.slots):
         declared_options(fn)  # raises for **kwargs
     if not replace and fmt.name in _REGISTRY and _REGISTRY[fmt.name] is not fmt:
         raise ValueError(f"a format named {fmt.name!r} is already registered")
