@@ -51,8 +51,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "save",
+    "save_async",
+    "wait_saves",
+    "SaveFuture",
     "load",
     "load_with_meta",
+    "open",
+    "Checkpoint",
     "inspect",
     "inspect_buffer",
     "convert",
@@ -85,3 +90,19 @@ __all__ = [
     "NetclShapeMismatchError",
     "__version__",
 ]
+
+# save_async and friends, and the lazy views, load their modules on first use.
+_ASYNC = frozenset({"save_async", "wait_saves", "SaveFuture"})
+_LAZY = frozenset({"open", "Checkpoint"})
+
+
+def __getattr__(name: str) -> object:
+    if name in _ASYNC:
+        from . import async_save
+
+        return getattr(async_save, name)
+    if name in _LAZY:
+        from . import lazy
+
+        return getattr(lazy, name)
+    raise AttributeError(f"module 'pytreeio' has no attribute {name!r}")

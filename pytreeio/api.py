@@ -10,6 +10,7 @@ nothing about any particular format.
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 import warnings
 from collections.abc import Iterator, Mapping
@@ -109,6 +110,13 @@ def _errors_located(path: PathLike | None, source: Any = None) -> Iterator[None]
             elif isinstance(source, io.FileSet) and exc.path in source:
                 exc.path = source.path_of(exc.path)
         raise
+
+
+def _after_pending_saves(path: PathLike) -> None:
+    """Wait for the background saves (:mod:`pytreeio.async_save`) to ``path`` made so far."""
+    pending = sys.modules.get("pytreeio.async_save")  # none were made if it was never imported
+    if pending is not None:
+        pending.wait_for(path)
 
 
 def _deliver_deferred(encoded: Encoded) -> None:
@@ -251,17 +259,23 @@ def encode(
     return _encode(registry.get(format), tree, meta, options, dest)
 
 
-def decode(data: Any, format: str | Format, *, like: Any = None, **options: Any) -> Any:
+def decode(
+    data: Any, format: str | Format, *, like: Any = None, partial: bool = False, **options: Any
+) -> Any:
     """Decode an :class:`Encoded` or a buffer (a mapping of them for multi-file formats).
 
-    Returns the native tree, or the tree restored into ``like``'s structure.
+    Returns the native tree, or the tree restored into ``like``'s structure
+    (``partial=True``: ``like`` may name only some of the entries, as for :func:`load`).
     """
+    from .tree import partial_restore
+
     fmt = registry.get(format)
     fmt.check_options(options, "load")
     native, meta = _call(fmt.decode, fmt, options, _as_source(data))
     if like is None:
         return native
-    return _restore(fmt, native, meta, like, options)
+    with partial_restore(partial):
+        return _restore(fmt, native, meta, like, options)
 
 
 def save(
@@ -291,6 +305,7 @@ def save(
     """
     fmt = _format_for_save(path, format)
     encoded = _encode(fmt, tree, meta, options, path)
+    _after_pending_saves(path)  # saves to one destination land in the order they were made
     io.write_atomic(path, encoded, fmt.layout, durable=durable)
     _deliver_deferred(encoded)
 
@@ -316,6 +331,7 @@ def load(
     format: str | Format | None = None,
     mmap: bool = False,
     verify: bool = False,
+    partial: bool = False,
     **options: Any,
 ) -> Any:
     """Load a checkpoint.
@@ -335,6 +351,10 @@ def load(
         per-tensor checksums of pytreeio's safetensors files and the
         manifest (:mod:`pytreeio.checksum`) when there is one.  Off by
         default: a plain load hashes nothing.
+      partial: restore only the entries ``like`` names (a subtree: the
+        file may hold more; an entry of ``like`` the file lacks is still a
+        :class:`MismatchError`).  Formats with a ``slots`` function read only
+        those entries' bytes (see :func:`pytreeio.open`).
       **options: the format's load options; others raise ``TypeError``.
 
     Raises:
@@ -342,14 +362,37 @@ def load(
         or with ``verify`` a checksum does not match (names the tensor or file).
       MismatchError: the file and ``like`` disagree (names the key path).
     """
+    from .tree import partial_restore
+
+    if partial and like is None:
+        raise TypeError("partial=True restores the entries `like` names: pass like=")
+    if partial and not verify:
+        from .lazy import load_partial
+
+        return load_partial(path, like, format=format, mmap=mmap, options=options)
+    if not verify and _sharded(like):
+        from .sharding import load_sliced  # each device's slice read from the file on its own
+
+        sliced = load_sliced(path, like, format=format, options=options)
+        if sliced is not None:
+            return sliced
     if verify:
         fmt, native, meta = _decode_verified(path, format, mmap, options)
     else:
         fmt, native, meta = _decode_path(path, format, mmap, options)
     if like is None:
         return native
-    with _errors_located(path):
+    with _errors_located(path), partial_restore(partial):
         return _restore(fmt, native, meta, like, options)
+
+
+def _sharded(like: Any) -> bool:
+    """Whether ``like`` places arrays over several devices (cheap when jax is not loaded)."""
+    if like is None or "jax" not in sys.modules:
+        return False
+    from .sharding import wants_slices
+
+    return wants_slices(like)
 
 
 def load_with_meta(
@@ -423,19 +466,33 @@ def convert(
     container = _format_for_load(src, from_)
     conv.split_options(container, None, target, options)  # misspelt options fail before reading
     decode_opts = conv.decode_options(container, target, options)
-    _, native, src_meta = _decode_path(src, container, False, decode_opts)
+    container.check_options(decode_opts, "load")
+    # Tensor by tensor where the formats allow (pytreeio.conversion.open_streamed): each
+    # array is read when the writer reaches it; otherwise the whole source is decoded.
     with _errors_located(src):
-        encoded = conv.convert_decoded(
-            container,
-            target,
-            native,
-            src_meta,
-            options=options,
-            out_meta=meta,
-            dest=dst,
-            lossy=lossy,
-        )
-    io.write_atomic(dst, encoded, target.layout, durable=durable)
+        streamed = conv.open_streamed(src, container, target, decode_opts)
+    source = None
+    if streamed is None:
+        _, native, src_meta = _decode_path(src, container, False, decode_opts)
+    else:
+        native, src_meta, source = streamed
+    try:
+        with _errors_located(src, source):
+            encoded = conv.convert_decoded(
+                container,
+                target,
+                native,
+                src_meta,
+                options=options,
+                out_meta=meta,
+                dest=dst,
+                lossy=lossy,
+            )
+            _after_pending_saves(dst)
+            io.write_atomic(dst, encoded, target.layout, durable=durable)
+    finally:
+        if source is not None:
+            _close(source)
     _deliver_deferred(encoded)
 
 

@@ -340,6 +340,12 @@ class Writer:
             self._pending += view
         self.nbytes += n
 
+    def deferred(self, chunk: Any) -> None:
+        """Append a chunk produced only when written (a :class:`pytreeio.registry.Deferred`)."""
+        self._flush()
+        self.chunks.append(chunk)
+        self.nbytes += chunk.nbytes
+
     def u8(self, v: int) -> None:
         self._pending += _U8.pack(v)
         self.nbytes += 1

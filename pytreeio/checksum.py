@@ -52,6 +52,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,8 @@ __all__ = [
     "manifest_path",
     "write_manifest",
     "check_manifest",
+    "check_manifest_buffers",
+    "parse_manifest",
     "nonfinite_counts",
 ]
 
@@ -188,12 +191,15 @@ def write_manifest(path: str | os.PathLike[str], format: Any = None) -> Path:
 
 
 def _read_manifest(where: Path) -> dict[str, tuple[int, str]]:
-    name = os.fspath(where)
+    return parse_manifest(io.read_head(where, MAX_MANIFEST_BYTES), os.fspath(where))
+
+
+def parse_manifest(raw: bytes, name: str) -> dict[str, tuple[int, str]]:
+    """``{file name: (size, checksum)}`` of the manifest document ``raw`` (read from ``name``)."""
 
     def bad(why: str) -> FormatError:
         return FormatError(f"malformed manifest: {why}", path=name, field="manifest")
 
-    raw = io.read_head(where, MAX_MANIFEST_BYTES)
     if len(raw) > MAX_MANIFEST_BYTES:
         raise bad(f"larger than {MAX_MANIFEST_BYTES} bytes")
     doc = jsonsafe.loads(
@@ -239,36 +245,69 @@ def check_manifest(path: str | os.PathLike[str], format: Any = None) -> bool:
     if not where.is_file():
         return False
     recorded = _read_manifest(where)
-    for name in sorted(set(recorded) - set(files)):
+    _compare(
+        recorded,
+        files,
+        lambda name: file_checksum(files[name]),
+        os.fspath(where),
+        lambda name: os.fspath(files[name] if name in files else base / name),
+    )
+    return True
+
+
+def check_manifest_buffers(manifest: bytes, files: Mapping[str, Any], where: str = "") -> None:
+    """:func:`check_manifest` over buffers: ``manifest`` is the document, ``files`` the
+    checkpoint's files by their names in it (for a directory, relative paths).
+
+    Raises the same :class:`FormatError` s, naming ``where`` as the manifest and
+    each file by its name.
+    """
+    recorded = parse_manifest(manifest, where or MANIFEST_NAME)
+    _compare(
+        recorded,
+        files,
+        lambda name: (len(memoryview(files[name])), buffer_checksum(files[name])),
+        where or MANIFEST_NAME,
+        lambda name: name,
+    )
+
+
+def _compare(
+    recorded: Mapping[str, tuple[int, str]],
+    files: Iterable[str],
+    measure: Callable[[str], tuple[int, str]],
+    where: str,
+    path_of: Callable[[str], str],
+) -> None:
+    """Raise for the first file missing, unrecorded, resized or changed (in name order)."""
+    names = set(files)
+    for name in sorted(set(recorded) - names):
         raise FormatError(
-            f"missing: recorded in the manifest {os.fspath(where)}",
-            path=os.fspath(base / name),
+            f"missing: recorded in the manifest {where}", path=path_of(name), field=name
+        )
+    for name in sorted(names - set(recorded)):
+        raise FormatError(
+            f"not recorded in the manifest {where} (added after it was written)",
+            path=path_of(name),
             field=name,
         )
-    for name in sorted(set(files) - set(recorded)):
-        raise FormatError(
-            f"not recorded in the manifest {os.fspath(where)} (added after it was written)",
-            path=os.fspath(files[name]),
-            field=name,
-        )
-    for name in sorted(files):
-        size, digest = file_checksum(files[name])
+    for name in sorted(names):
+        size, digest = measure(name)
         want_size, want = recorded[name]
         if size != want_size:
             raise FormatError(
-                f"changed since its manifest {os.fspath(where)} was written: "
+                f"changed since its manifest {where} was written: "
                 f"{size} bytes, recorded {want_size} (stale manifest or truncated file)",
-                path=os.fspath(files[name]),
+                path=path_of(name),
                 field=name,
             )
         if digest != want:
             raise FormatError(
-                f"changed since its manifest {os.fspath(where)} was written: "
+                f"changed since its manifest {where} was written: "
                 f"{ALGORITHM} {digest}, recorded {want:.16}",
-                path=os.fspath(files[name]),
+                path=path_of(name),
                 field=name,
             )
-    return True
 
 
 # --------------------------------------------------------------------------
@@ -299,6 +338,24 @@ def _count(arr: np.ndarray) -> tuple[int, int]:
     return nan, inf
 
 
+def _str_keys(tree: Any) -> Any:
+    """``tree`` with every dict key that is not a str or int replaced by its ``str()``
+    (suffixed ``#n`` where that collides), so that every leaf gets a key string."""
+    if isinstance(tree, dict):
+        out: dict[Any, Any] = {}
+        for k, v in tree.items():
+            name = k if isinstance(k, str | int) and not isinstance(k, bool) else str(k)
+            while name in out or (name != k and name in tree):
+                name = f"{name}#{len(out)}"
+            out[name] = _str_keys(v)
+        return out
+    if isinstance(tree, list):
+        return [_str_keys(v) for v in tree]
+    if type(tree) is tuple:
+        return tuple(_str_keys(v) for v in tree)
+    return tree
+
+
 def nonfinite_counts(tree: Any) -> dict[str, dict[str, int]]:
     """``{entry: {"nan": n, "inf": m}}`` for the floating leaves of ``tree`` that have any.
 
@@ -308,7 +365,11 @@ def nonfinite_counts(tree: Any) -> dict[str, dict[str, int]]:
     from .tree import flatten
 
     out: dict[str, dict[str, int]] = {}
-    for key, leaf in flatten(tree).items():
+    try:
+        leaves = flatten(tree)
+    except TypeError:  # map keys that form no key path (msgpack's None, 1.5): named by str()
+        leaves = flatten(_str_keys(tree))
+    for key, leaf in leaves.items():
         if isinstance(leaf, float):
             arr: Any = np.asarray(leaf, dtype=np.float64)
         elif isinstance(leaf, np.ndarray | np.generic) or hasattr(leaf, "__array__"):

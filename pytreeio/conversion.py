@@ -59,13 +59,14 @@ naming it, raised before any byte is written; ``lossy=True`` drops it with a
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from . import registry
 from .errors import ConversionError, EncodeError, MismatchError, PytreeioWarning
-from .registry import Encoded, Format
+from .registry import Encoded, Format, Slot, Streamed
 
 __all__ = [
     "FORMAT_KEY",
@@ -74,6 +75,8 @@ __all__ = [
     "decode_options",
     "convert_decoded",
     "decode_model",
+    "as_is",
+    "open_streamed",
 ]
 
 #: The reserved meta key naming the format whose native tree a generic checkpoint carries.
@@ -322,6 +325,85 @@ def convert_decoded(
     return _encode_as_is(
         source, target, native, src_meta, meta_out, explicit, save_opts, dest, lossy
     )
+
+
+# --------------------------------------------------------------------------
+# streaming: tensor by tensor, never the whole checkpoint in memory
+# --------------------------------------------------------------------------
+
+#: Slots smaller than this are read when the conversion is planned (scalars, biases):
+#: streaming them saves nothing.
+STREAM_MIN_BYTES = 1 << 16
+
+
+def as_is(container: Format, target: Format, meta: Any) -> bool:
+    """Whether :func:`convert_decoded` hands ``target`` the source's native tree as it is.
+
+    True when the tree never goes through the common model form: one format
+    both ways, a model format's tree into a generic format that keeps meta,
+    or a generic format's tree into a generic format.  (A generic tree into a
+    model format may go through the model form: False, to be safe.)
+    """
+    try:
+        source, _ = carried(container, meta)
+    except MismatchError:
+        return False
+    if source is target:
+        return True
+    if source.is_model_format:
+        return not target.is_model_format and target.accepts_meta and target.keeps_meta
+    return not target.is_model_format
+
+
+def _streamed_tree(tree: Any, source: Any) -> Any:
+    """``tree`` with each large plain slot a :class:`Streamed` leaf and every other slot read."""
+    from .tree import is_namedtuple
+
+    if isinstance(tree, Slot):
+        if tree.convert is not None or tree.nbytes < STREAM_MIN_BYTES:
+            return tree.read(source)
+        return Streamed(tree, source)
+    if isinstance(tree, Mapping):
+        items = [(k, _streamed_tree(v, source)) for k, v in tree.items()]
+        cls: Any = type(tree)
+        return dict(items) if cls is dict else cls(items)
+    if is_namedtuple(tree):
+        return type(tree)(*(_streamed_tree(v, source) for v in tree))
+    if isinstance(tree, list | tuple):
+        return type(tree)(_streamed_tree(v, source) for v in tree)
+    return tree
+
+
+def open_streamed(
+    path: str | os.PathLike[str], container: Format, target: Format, options: Mapping[str, Any]
+) -> tuple[Any, Any, Any] | None:
+    """``(native tree with Streamed leaves, meta, open source)`` for a conversion that streams.
+
+    A conversion streams when the source format has ``slots`` that take every
+    load option given, the target's encoder takes :class:`Streamed` leaves
+    (``Format.streams``) and the native tree goes to it as it is
+    (:func:`as_is`).  Each tensor is then read when the writer reaches it and
+    dropped after: peak memory is about the largest tensor plus the headers.
+    None when it does not stream (the caller decodes the whole checkpoint);
+    the caller closes the source after writing.
+    """
+    from . import io
+    from .api import _call
+
+    if container.slots is None or not target.streams:
+        return None
+    if set(options) - registry.declared_options(container.slots):
+        return None  # an option only decode understands: decode
+    source = io.open_source(path, container.layout, headers=True)
+    try:
+        found = _call(container.slots, container, options, source)
+        if not as_is(container, target, found.meta):
+            source.close()
+            return None
+        return _streamed_tree(found.tree, source), found.meta, source
+    except BaseException:
+        source.close()
+        raise
 
 
 # --------------------------------------------------------------------------

@@ -83,30 +83,26 @@ maps it instead.  Header-only reads (``inspect``) go through
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
-import hashlib
 import json
 import mmap as _mmap
 import os
 import re
-import secrets
-import shutil
 import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
-from concurrent.futures import wait as _wait
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from .binary import Buffer, ByteSource, as_memoryview
-from .errors import FormatError
-from .registry import Directory, Encoded, File, Layout, Probe, Siblings
+from .binary import Buffer, BufferSource, ByteSource, as_memoryview
+from .errors import EncodeError, FormatError
+from .registry import Deferred, Directory, Encoded, File, Layout, Probe, Siblings
+
+if TYPE_CHECKING:  # concurrent.futures is imported by the first parallel read (import time)
+    from concurrent.futures import Future, ThreadPoolExecutor
 
 try:
     import fcntl
@@ -115,6 +111,7 @@ except ImportError:  # pragma: no cover - not POSIX
 
 __all__ = [
     "probe",
+    "probe_buffer",
     "open_source",
     "write_atomic",
     "write_file_atomic",
@@ -125,6 +122,8 @@ __all__ = [
     "walk",
     "read_chunks",
     "read_head",
+    "file_in_parts",
+    "PartWriter",
 ]
 
 T = TypeVar("T")
@@ -151,6 +150,8 @@ def _short(name: str) -> str:
     raw = os.fsencode(name)
     if len(raw) <= _NAME_BUDGET:
         return name
+    import hashlib  # long names only (not imported with pytreeio: import time)
+
     digest = hashlib.sha256(raw).hexdigest()[:16]
     return f"{os.fsdecode(raw[: _NAME_BUDGET - 17])}~{digest}"
 
@@ -160,7 +161,7 @@ def _aux(dest: Path, suffix: str) -> Path:
 
 
 def _tmp_name(dest: Path) -> Path:
-    return _aux(dest, f"{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+    return _aux(dest, f"{_TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
 
 
 def _tmp_pattern(name: str) -> re.Pattern[str]:
@@ -191,12 +192,44 @@ def _resolve(path: Path) -> Path:
 
 
 def _write_chunks(fd: int, chunks: Sequence[Buffer]) -> None:
+    """Write ``chunks`` in order; :class:`Deferred` ones are produced one at a time.
+
+    A deferred chunk's buffer is dropped before the next is produced (a
+    streamed conversion holds one tensor at a time); late ones are skipped,
+    then produced and written at their offsets once everything else is written.
+    """
+    late: list[tuple[int, Deferred]] = []
+    at = 0
     for chunk in chunks:
-        view = as_memoryview(chunk)
-        n = len(view)
-        pos = 0
-        while pos < n:
-            pos += os.write(fd, view[pos : pos + _MAX_WRITE])
+        if isinstance(chunk, Deferred):
+            if chunk.late:
+                late.append((at, chunk))
+                at += chunk.nbytes
+                os.lseek(fd, at, os.SEEK_SET)
+                continue
+            chunk = _produced(chunk)
+        _write_at(fd, as_memoryview(chunk), None)
+        at += len(as_memoryview(chunk))
+        del chunk  # a produced tensor goes before the next is read
+    for offset, deferred in late:
+        _write_at(fd, as_memoryview(_produced(deferred)), offset)
+
+
+def _produced(chunk: Deferred) -> Buffer:
+    data = chunk.produce()
+    n = len(as_memoryview(data))
+    if n != chunk.nbytes:
+        raise EncodeError(f"a deferred chunk produced {n} bytes where {chunk.nbytes} were declared")
+    return data
+
+
+def _write_at(fd: int, view: memoryview, offset: int | None) -> None:
+    """All of ``view``, at the file position (``offset=None``) or with pwrite at ``offset``."""
+    n = len(view)
+    pos = 0
+    while pos < n:
+        part = view[pos : pos + _MAX_WRITE]
+        pos += os.write(fd, part) if offset is None else os.pwrite(fd, part, offset + pos)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -230,6 +263,8 @@ def _mode_of(path: Path) -> int | None:
 def _remove_quietly(path: Path) -> None:
     with contextlib.suppress(OSError):
         if os.path.isdir(path) and not os.path.islink(path):
+            import shutil
+
             shutil.rmtree(path, ignore_errors=True)
         else:
             os.unlink(path)
@@ -590,6 +625,78 @@ def write_file_atomic(
     _write_files([(Path(path), encoded)], durable)
 
 
+@contextlib.contextmanager
+def file_in_parts(path: str | os.PathLike[str], size: int, durable: bool = True) -> Iterator[Path]:
+    """A temporary of ``size`` bytes for a single-file checkpoint that several writers fill.
+
+    Yields the temporary's path (next to the destination, under the
+    destination's lock, after recovering from dead saves as every save does);
+    writers open it and ``pwrite`` their ranges (:func:`pytreeio.sharding.save_in_parts`).
+    When the block exits normally the file is fsync'd (``durable``) and renamed
+    over ``path``; when it raises the temporary is removed and the old
+    checkpoint stays.
+    """
+    dest = _resolve(Path(path))
+    if os.path.isdir(dest):
+        raise IsADirectoryError(
+            errno.EISDIR, "cannot replace a directory with a file", os.fspath(dest)
+        )
+    _check_parent(dest)
+    with _saving([dest], durable):
+        tmp = _tmp_name(dest)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+        try:
+            try:
+                mode = _mode_of(dest)
+                if mode is not None:
+                    os.fchmod(fd, mode)
+                os.ftruncate(fd, size)
+                yield tmp
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            _rename(tmp, dest)
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
+    if durable:
+        _fsync_dir(dest.parent)
+
+
+class PartWriter:
+    """One writer's descriptor of a :func:`file_in_parts` temporary, writing at offsets."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._fd = os.open(self.path, os.O_RDWR | _O_CLOEXEC)
+
+    def write_at(self, offset: int, data: Buffer) -> None:
+        _write_at(self._fd, as_memoryview(data), offset)
+
+    def read_at(self, offset: int, n: int) -> memoryview:
+        """``n`` bytes written at ``offset`` (read back, e.g. to hash them)."""
+        view = np.empty(n, dtype=np.uint8).data
+        _read_range(self._fd, view, 0, n, self.path, file_offset=offset)
+        return view
+
+    def close(self, *, durable: bool = False) -> None:
+        """Close, fsync'ing first with ``durable`` (for file systems that flush per writer)."""
+        if self._fd >= 0:
+            try:
+                if durable:
+                    os.fsync(self._fd)
+            finally:
+                os.close(self._fd)
+                self._fd = -1
+
+    def __enter__(self) -> PartWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _populate_dir(root: Path, encoded: Encoded, durable: bool) -> None:
     assert encoded.files is not None
     made: set[Path] = {root}
@@ -607,6 +714,8 @@ def _populate_dir(root: Path, encoded: Encoded, durable: bool) -> None:
 
 
 def _renameat2_exchange() -> Any:
+    import ctypes.util  # here, not at import: it costs more than the rest of pytreeio
+
     libc_name = ctypes.util.find_library("c")
     if not libc_name:
         return None
@@ -637,6 +746,8 @@ def _exchange(a: Path, b: Path) -> bool:
     rc = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
     if rc == 0:
         return True
+    import ctypes
+
     err = ctypes.get_errno()
     if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
@@ -799,6 +910,8 @@ def _get_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
             _pool = ThreadPoolExecutor(_PARALLEL_THREADS, thread_name_prefix="pytreeio-read")
         return _pool
 
@@ -816,6 +929,9 @@ def _read_fd(fd: int, name: str, mmap: bool) -> memoryview:
     if size < _PARALLEL_MIN:
         _read_range(fd, view, 0, size, name)
         return view
+    from concurrent.futures import FIRST_EXCEPTION
+    from concurrent.futures import wait as _wait
+
     pool = _get_pool()
     jobs: list[Future[None]] = [
         pool.submit(_read_range, fd, view, start, min(start + _PARALLEL_BLOCK, size), name)
@@ -832,6 +948,38 @@ def _read_fd(fd: int, name: str, mmap: bool) -> memoryview:
     for job in jobs:
         job.result()
     return view
+
+
+def _read_ranges(fd: int, view: memoryview, file_offset: int, name: str) -> None:
+    """Fill ``view`` from the file at ``file_offset``: in blocks on the pool when it is large."""
+    size = len(view)
+    if size < _PARALLEL_MIN:
+        _read_range(fd, view, 0, size, name, file_offset=file_offset)
+        return
+    from concurrent.futures import FIRST_EXCEPTION
+    from concurrent.futures import wait as _wait
+
+    pool = _get_pool()
+    jobs: list[Future[None]] = [
+        pool.submit(
+            _read_range,
+            fd,
+            view,
+            start,
+            min(start + _PARALLEL_BLOCK, size),
+            name,
+            file_offset=file_offset,
+        )
+        for start in range(0, size, _PARALLEL_BLOCK)
+    ]
+    try:
+        _wait(jobs, return_when=FIRST_EXCEPTION)
+    finally:
+        for job in jobs:  # no job may use the descriptor or buffer once we return
+            job.cancel()
+        _wait(jobs)
+    for job in jobs:
+        job.result()
 
 
 def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> memoryview:
@@ -858,9 +1006,24 @@ class FileSource(ByteSource):
         self.bytes_read = 0
 
     def _read(self, offset: int, n: int) -> memoryview:
-        view = memoryview(bytearray(n))
-        _read_range(self._fd, view, 0, n, self.name or "", file_offset=offset)
+        # Uninitialised memory (no zero-fill); large ranges (a tensor of a lazy
+        # view) are read by several threads, as whole files are.
+        view = np.empty(n, dtype=np.uint8).data
+        _read_ranges(self._fd, view, offset, self.name or "")
         return view
+
+    def read_into(self, offset: int, out: memoryview, field: str) -> None:
+        """Fill ``out`` with the bytes at ``offset`` (``pread`` straight into the caller's buffer)."""
+        n = len(out)
+        if offset < 0 or offset + n > self.size:
+            raise FormatError(
+                f"truncated: needs {n} bytes at offset {offset}, file has {self.size}",
+                path=self.name,
+                field=field,
+                offset=offset,
+            )
+        _read_ranges(self._fd, out.cast("B"), offset, self.name or "")
+        self.bytes_read += n
 
     def view(self) -> memoryview:
         """The whole file mapped read-only (pages are read only when touched)."""
@@ -1088,7 +1251,7 @@ _MAX_NAMES = 10_000
 _MAX_HEADS = 32
 
 
-def _zip_members(source: FileSource) -> tuple[str, ...] | None:
+def _zip_members(source: ByteSource) -> tuple[str, ...] | None:
     """A ZIP's member names (at most ``_MAX_MEMBERS``), or None when they cannot be read.
 
     :func:`pytreeio.zip.member_names` reads the end records and the central
@@ -1101,6 +1264,13 @@ def _zip_members(source: FileSource) -> tuple[str, ...] | None:
         return tuple(str(n) for n in names[:_MAX_MEMBERS])
     except Exception:
         return None
+
+
+def _probe_source(path: Path, src: ByteSource) -> Probe:
+    """The ``FILE`` probe of a readable file's content (on disk or in memory)."""
+    head = bytes(src.read(0, min(_HEAD, src.size), "head")) if src.size else b""
+    members = _zip_members(src) if head[:4] == b"PK\x03\x04" else None
+    return Probe(path, kind="file", head=head, size=src.size, members=members)
 
 
 def _probe_file(path: Path) -> Probe:
@@ -1119,9 +1289,38 @@ def _probe_file(path: Path) -> Probe:
     if fd is None:  # unreadable (or replaced meanwhile): what stat said, no bytes
         return Probe(path, kind="file", size=st.st_size)
     with FileSource(path, fd=fd) as src:
-        head = bytes(src.read(0, min(_HEAD, src.size), "head")) if src.size else b""
-        members = _zip_members(src) if head[:4] == b"PK\x03\x04" else None
-        return Probe(path, kind="file", head=head, size=src.size, members=members)
+        return _probe_source(path, src)
+
+
+def _listing_probe(
+    path: Path, names: Sequence[str], head_of: Callable[[str], bytes | None]
+) -> Probe:
+    """The ``DIRECTORY`` probe of a listing; ``head_of(name)`` reads a file's first bytes."""
+    heads: dict[str, bytes] = {}
+    for name in names:
+        if len(heads) >= _MAX_HEADS:
+            break
+        if "/" in name or not name.lower().endswith((".json", ".txt")):
+            continue
+        head = head_of(name)
+        if head is not None:
+            heads[name] = head
+    return Probe(path, kind="dir", names=frozenset(names), heads=heads)
+
+
+def _disk_head(root: Path, name: str) -> bytes | None:
+    try:
+        fd = _open_regular(root / name)
+    except OSError:
+        return None
+    if fd is None:
+        return None
+    try:
+        return os.pread(fd, _HEAD, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _probe_dir(path: Path) -> Probe:
@@ -1131,25 +1330,31 @@ def _probe_dir(path: Path) -> Probe:
         names = list(_walk(path, limit=_MAX_NAMES))
     except OSError:  # unreadable: a directory all the same (opening it says why)
         return Probe(path, kind="dir", names=frozenset())
-    heads: dict[str, bytes] = {}
-    for name in names:
-        if len(heads) >= _MAX_HEADS:
-            break
-        if "/" in name or not name.lower().endswith((".json", ".txt")):
-            continue
-        try:
-            fd = _open_regular(path / name)
-        except OSError:
-            continue
-        if fd is None:
-            continue
-        try:
-            heads[name] = os.pread(fd, _HEAD, 0)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return Probe(path, kind="dir", names=frozenset(names), heads=heads)
+    return _listing_probe(path, names, lambda name: _disk_head(path, name))
+
+
+def _probe_with(
+    p: Path,
+    layout: Layout,
+    probe_file: Callable[[Path], Probe],
+    probe_dir: Callable[[Path], Probe],
+) -> Probe:
+    """:func:`probe`'s choice of probes by layout, over any file system."""
+    if isinstance(layout, Directory):
+        return probe_dir(p)
+    base = probe_file(p)
+    if not isinstance(layout, Siblings):
+        return base
+    try:
+        located = {role: Path(rp) for role, rp in layout.locate(p).items()}
+    except (OSError, ValueError):
+        located = {}
+    siblings: dict[str, Probe] = {}
+    for role, rp in located.items():
+        sib = base if rp == p else probe_file(rp)
+        if sib.kind == "file":
+            siblings[role] = sib
+    return replace(base, siblings=siblings)
 
 
 def probe(path: str | os.PathLike[str], layout: Layout) -> Probe:
@@ -1162,22 +1367,41 @@ def probe(path: str | os.PathLike[str], layout: Layout) -> Probe:
     32 top-level ``*.json``/``*.txt`` files.  ``Siblings``: the FILE probe of
     ``path`` itself plus a FILE probe of each located role that is a file.
     """
-    p = Path(path)
-    if isinstance(layout, Directory):
-        return _probe_dir(p)
-    base = _probe_file(p)
-    if not isinstance(layout, Siblings):
-        return base
-    try:
-        located = {role: Path(rp) for role, rp in layout.locate(p).items()}
-    except (OSError, ValueError):
-        located = {}
-    siblings: dict[str, Probe] = {}
-    for role, rp in located.items():
-        sib = base if rp == p else _probe_file(rp)
-        if sib.kind == "file":
-            siblings[role] = sib
-    return replace(base, siblings=siblings)
+    return _probe_with(Path(path), layout, _probe_file, _probe_dir)
+
+
+def probe_buffer(
+    path: str | os.PathLike[str], files: Mapping[str | os.PathLike[str], Buffer], layout: Layout
+) -> Probe:
+    """:func:`probe` of ``path`` over an in-memory file system (for fuzzing the sniffers).
+
+    ``files`` maps each file's path to its content; a directory exists where
+    some file lies below it.  The probe is the one :func:`probe` builds for
+    the same files on disk (same heads, sizes, ZIP members, listings).
+    """
+    store = {Path(k).as_posix(): v for k, v in files.items()}
+
+    def probe_file(p: Path) -> Probe:
+        key = p.as_posix()
+        if key in store:
+            return _probe_source(p, BufferSource(store[key], name=os.fspath(p)))
+        prefix = key.rstrip("/") + "/"
+        if any(k.startswith(prefix) for k in store):
+            return Probe(p, kind="dir")
+        return Probe(p, kind="missing")
+
+    def probe_dir(p: Path) -> Probe:
+        prefix = p.as_posix().rstrip("/") + "/"
+        below = [k[len(prefix) :] for k in store if k.startswith(prefix)]
+        below = [n for n in below if not any(_OWN_FILE.search(part) for part in n.split("/"))]
+        if not below:
+            return probe_file(p)
+        # the order of a top-down walk: a directory's files (sorted), then its subdirectories
+        below.sort(key=lambda n: [(1, d) for d in n.split("/")[:-1]] + [(0, n.rsplit("/", 1)[-1])])
+        names = below[:_MAX_NAMES]
+        return _listing_probe(p, names, lambda n: bytes(as_memoryview(store[prefix + n])[:_HEAD]))
+
+    return _probe_with(Path(path), layout, probe_file, probe_dir)
 
 
 # --------------------------------------------------------------------------

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .errors import ConversionError, MismatchError
-from .tree import describe_leaf, restore
+from .tree import allows_extra, describe_leaf, restore
 
 __all__ = [
     "LAYERS",
@@ -532,7 +532,7 @@ class Model:
             for k in layer.arrays
             if (i, k) not in used
         )
-        if left:
+        if left and not allows_extra():  # a partial load leaves them in the file
             hint = (
                 " (pass the variables dict with 'batch_stats')"
                 if any(s.endswith((".mean", ".var")) for s in left)

@@ -38,6 +38,7 @@ dtypes with a non-zero item size only, and shapes checked with
 from __future__ import annotations
 
 import ast
+import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ __all__ = [
     "encode_npy",
     "read_npz",
     "inspect_npz",
+    "npz_slots",
     "encode_npz",
     # moved to pytreeio.zip, re-exported until every caller imports them from there
     "ZipMember",
@@ -77,6 +79,11 @@ MAX_HEADER_LEN = 10000
 _PLAIN_KINDS = frozenset("biufcUS")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
+_DIM = r"(?:0|[1-9][0-9]{0,18})"  # longer numbers take the general path
+_CANONICAL_HEADER = re.compile(
+    r"\{'descr': '([<>|=]?[A-Za-z][A-Za-z0-9]*)', 'fortran_order': (True|False), "
+    rf"'shape': \(((?:{_DIM}, )*(?:{_DIM},?)?)\), \}}[ ]*\n?"
+)
 
 
 # --------------------------------------------------------------------------
@@ -130,6 +137,25 @@ def _plain_dtype(descr: Any, r: Reader, field: str, offset: int) -> np.dtype[Any
     return dt
 
 
+def _canonical_header(text: str) -> dict[str, Any] | None:
+    """The header dict of a header written the way numpy writes it, else None.
+
+    ``ast.literal_eval`` costs tens of microseconds per array; numpy's own
+    layout (these keys in this order, a plain descr, decimal dimensions
+    without leading zeros) is read here with one regular expression and
+    gives exactly what ``literal_eval`` would.  Anything else takes the
+    general path.
+    """
+    m = _CANONICAL_HEADER.fullmatch(text)
+    if m is None:
+        return None
+    descr, fortran, dims = m.groups()
+    if dims and "," not in dims:  # "(5)" is an int, not a tuple: let the general path say so
+        return None
+    shape = tuple(int(x) for x in dims.split(",") if x.strip())
+    return {"descr": descr, "fortran_order": fortran == "True", "shape": shape}
+
+
 def parse_npy_header(r: Reader, field: str = "npy") -> NpyHeader:
     """Read a ``.npy`` prefix and header dict at ``r``'s position, leaving it at the data."""
     begin = r.pos
@@ -153,10 +179,16 @@ def parse_npy_header(r: Reader, field: str = "npy") -> NpyHeader:
             f"header length {hlen} exceeds {MAX_HEADER_LEN}", f"{field}.header_len", hstart - 4
         )
     text = r.text(hlen, f"{field}.header", encoding)
-    try:
-        d = ast.literal_eval(text)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError, OverflowError) as exc:
-        raise r.error(f"header is not a Python literal: {exc}", f"{field}.header", hstart) from None
+    d = _canonical_header(text)
+    if d is None:
+        try:
+            d = ast.literal_eval(text)
+        except (
+            ValueError, SyntaxError, TypeError, MemoryError, RecursionError, OverflowError
+        ) as exc:  # fmt: skip
+            raise r.error(
+                f"header is not a Python literal: {exc}", f"{field}.header", hstart
+            ) from None
     if not isinstance(d, dict) or set(d) != {"descr", "fortran_order", "shape"}:
         raise r.error(
             "header must be a dict with exactly 'descr', 'fortran_order', 'shape'",
@@ -295,12 +327,17 @@ def read_npz(
     """
     src = source if isinstance(source, ByteSource) else BufferSource(source)
     allowance = _zip.default_max_inflated(src) if max_inflated is None else max_inflated
-    out: dict[str, np.ndarray] = {}
+    members: list[tuple[str, _zip.ZipMember, memoryview]] = []
     for m in _zip.read_zip_directory(src):
         key = _array_name(m, src)
-        data = _zip.member_data(src, m, verify_crc=verify_crc, max_inflated=allowance)
+        data = _zip.member_data(src, m, verify_crc=False, max_inflated=allowance)
         if m.method == _zip.DEFLATED:
             allowance -= m.size
+        members.append((key, m, data))
+    if verify_crc:  # every member at once, on all cores, before any of them is parsed
+        _zip.check_crcs(src, [(m, data) for _, m, data in members])
+    out: dict[str, np.ndarray] = {}
+    for key, m, data in members:
         r = _member_reader(src, m, data)
         out[key] = read_npy(r.view, source=r.source, start=r.start, field=f"{key}.npy")
     return out
@@ -335,6 +372,48 @@ def inspect_npz(source: ByteSource | Buffer) -> list[tuple[str, NpyHeader, _zip.
                 offset=m.data_offset + h.data_offset,
             )
         out.append((key, h, m))
+    return out
+
+
+def _member_array(m: _zip.ZipMember, key: str) -> Any:
+    """A slot reader: one member inflated (or read) and CRC-checked, as :func:`read_npz` does."""
+
+    def read(src: ByteSource) -> np.ndarray:
+        data = _zip.member_data(src, m, verify_crc=True)
+        r = _member_reader(src, m, data)
+        return read_npy(r.view, source=r.source, start=r.start, field=f"{key}.npy")
+
+    return read
+
+
+def npz_slots(
+    source: ByteSource, *, role: str | None = None, verify_crc: bool = True
+) -> dict[str, Any]:
+    """Where each array of an ``.npz`` lies (:class:`pytreeio.registry.Slot` by name), headers only.
+
+    Reads the central directory, each member's local header and ``.npy``
+    header.  Stored members without ``verify_crc`` are plain ranges of the
+    archive; with it (as :func:`read_npz` by default) and for deflated
+    members, the slot reads its whole member and checks it.  ``role`` is the
+    key of the archive in a multi-file source.
+    """
+    from .registry import Slot
+
+    out: dict[str, Any] = {}
+    for key, h, m in inspect_npz(source):
+        reader = None
+        if verify_crc or m.method != _zip.STORED:
+            reader = _member_array(m, key)
+        out[key] = Slot(
+            key,
+            m.data_offset + h.data_offset,
+            h.nbytes,
+            h.shape,
+            h.dtype,
+            role=role,
+            fortran=h.fortran_order and len(h.shape) > 1,
+            reader=reader,
+        )
     return out
 
 

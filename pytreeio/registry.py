@@ -33,9 +33,9 @@ declares raises ``TypeError``.
 
 from __future__ import annotations
 
-import inspect as _inspect
 import json
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +53,8 @@ __all__ = [
     "Probe",
     "Slot",
     "Slots",
+    "Deferred",
+    "Streamed",
     "Layout",
     "File",
     "Siblings",
@@ -189,13 +191,23 @@ class Encoded:
     def nbytes(self) -> int:
         if self.files is not None:
             return sum(f.nbytes for f in self.files.values())
-        return sum(len(as_memoryview(c)) for c in self.chunks)
+        return sum(chunk_nbytes(c) for c in self.chunks)
 
     def tobytes(self) -> bytes:
-        """The whole single-file encoding as one ``bytes`` (copies; for tests and small trees)."""
+        """The whole single-file encoding as one ``bytes`` (copies; for tests and small trees).
+
+        :class:`Deferred` chunks are produced here, late ones last, as io writes them.
+        """
         if self.files is not None:
             raise TypeError("a multi-file encoding has no single byte string; use .files")
-        return b"".join(as_memoryview(c) for c in self.chunks)
+        parts: list[bytes | None] = [None] * len(self.chunks)
+        for late in (False, True):
+            for i, c in enumerate(self.chunks):
+                if not isinstance(c, Deferred):
+                    parts[i] = bytes(as_memoryview(c))
+                elif c.late == late:
+                    parts[i] = bytes(as_memoryview(c.produce()))
+        return b"".join(p or b"" for p in parts)
 
     def __bytes__(self) -> bytes:
         return self.tobytes()
@@ -339,13 +351,18 @@ class Slot:
       fortran: the data is stored column-major (read as ``order="F"``, returned
         C-contiguous).
       convert: for entries that are not one plain stored range (a quantised
-        tensor, an assembled or transposed value), applied to the array read
-        from ``(offset, nbytes, dtype, stored shape)`` -- ``stored`` is then the
-        stored shape and ``shape`` the result's.
+        tensor, an assembled or transposed value, a Python or numpy scalar, a
+        typed PRNG key), applied to the array read from ``(offset, nbytes,
+        dtype, stored shape)`` -- ``stored`` is then the stored shape and
+        ``shape`` the result's.  Its result is what ``read`` returns.
       stored: the stored shape when ``convert`` changes it (else ``shape``).
       reader: for entries that cannot be read as one range at all (a
-        compressed ZIP member), ``reader(source) -> ndarray`` replaces the
-        range read; it receives the entry's file source.
+        compressed ZIP member, a chunked array, a record whose framing is
+        checked as decode checks it), ``reader(source) -> value`` replaces the
+        range read; it receives the entry's file source and must raise only
+        :class:`pytreeio.errors.PytreeioError` for bad bytes; ``convert``, when
+        set too, is applied to its result.  ``offset`` and ``nbytes`` then
+        describe the range it reads (for reports).
     """
 
     key: str
@@ -367,19 +384,37 @@ class Slot:
         """The entry's array, read from ``source`` (a ByteSource or a mapping of them)."""
         import numpy as np
 
+        from .binary import check_shape
+        from .errors import FormatError
+
         src = self.source_of(source)
         if self.reader is not None:
-            return self.reader(src)
-        raw = src.read(self.offset, self.nbytes, self.key)
-        dtype = np.dtype(self.dtype)
-        shape = self.stored if self.stored is not None else self.shape
-        arr = np.frombuffer(raw, dtype=dtype).reshape(shape, order="F" if self.fortran else "C")
-        if not dtype.isnative:
-            arr = arr.astype(dtype.newbyteorder("="))
-        arr = np.ascontiguousarray(arr)
-        if self.convert is not None:
-            arr = self.convert(arr)
-        if not arr.flags.writeable:
+            arr = self.reader(src)
+            if self.convert is not None:
+                arr = self.convert(arr)
+        else:
+            dtype = np.dtype(self.dtype)
+            shape = self.stored if self.stored is not None else self.shape
+            count = check_shape(shape, dtype.itemsize, path=src.name, field=self.key)
+            if count * dtype.itemsize != self.nbytes:
+                # a slots function's bug or a lying header it let through: never numpy's ValueError
+                raise FormatError(
+                    f"{self.nbytes} stored bytes, shape {tuple(shape)} of {dtype.name} needs "
+                    f"{count * dtype.itemsize}",
+                    path=src.name,
+                    field=self.key,
+                    offset=self.offset,
+                )
+            raw = src.read(self.offset, self.nbytes, self.key)
+            arr = np.frombuffer(raw, dtype=dtype).reshape(shape, order="F" if self.fortran else "C")
+            if not dtype.isnative:
+                arr = arr.astype(dtype.newbyteorder("="))
+            if not arr.flags.c_contiguous:  # (ascontiguousarray would make 0-d arrays 1-d)
+                arr = arr.copy(order="C")
+            if self.convert is not None:
+                arr = self.convert(arr)
+        # Results own their memory: never a read-only view of a buffer the source may reuse.
+        if isinstance(arr, np.ndarray) and not arr.flags.writeable:
             arr = arr.copy()
         return arr
 
@@ -396,6 +431,98 @@ class Slots:
 
     tree: Any
     meta: dict[str, Any]
+
+
+# --------------------------------------------------------------------------
+# streaming: arrays read when they are written
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A chunk of an :class:`Encoded` whose bytes are produced only when it is written.
+
+    ``produce()`` returns exactly ``nbytes`` bytes (any buffer); :mod:`pytreeio.io`
+    calls it once, writes the result and drops it before the next chunk, so an
+    encoding of :class:`Streamed` arrays holds at most one of them at a time.  A
+    ``late`` chunk (a header recording checksums of the data behind it) is
+    produced after every other chunk of its file and written at its place.
+    """
+
+    nbytes: int
+    produce: Callable[[], Buffer]
+    late: bool = False
+
+
+class Streamed:
+    """An array leaf of a checkpoint being converted, read when its bytes are written.
+
+    A streaming conversion (:mod:`pytreeio.conversion`) hands a target whose
+    :class:`Format` has ``streams=True`` the source's native tree with these
+    in place of its large arrays.  The encoder takes ``shape``, ``dtype``
+    (native byte order) and ``nbytes`` for its headers and emits
+    :meth:`chunk` for the data.
+    """
+
+    __slots__ = ("dtype", "nbytes", "shape", "slot", "source")
+
+    def __init__(self, slot: Slot, source: Any) -> None:
+        import numpy as np
+
+        dtype = np.dtype(slot.dtype)
+        self.slot = slot
+        self.source = source
+        self.shape = tuple(int(d) for d in slot.shape)
+        self.dtype = dtype if dtype.isnative else dtype.newbyteorder("=")
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        self.nbytes = n
+
+    def read(self) -> Any:
+        """The array, as ``decode`` would have returned it (C-contiguous, native byte order)."""
+        import numpy as np
+
+        from .errors import FormatError
+
+        arr = self.slot.read(self.source)
+        if not (
+            isinstance(arr, np.ndarray)
+            and arr.shape == self.shape
+            and arr.dtype == self.dtype
+            and arr.flags.c_contiguous
+        ):
+            raise FormatError(
+                f"read {type(arr).__name__} {getattr(arr, 'shape', '')} "
+                f"{getattr(arr, 'dtype', '')}, its slot said {self.shape} {self.dtype}",
+                field=self.slot.key,
+                offset=self.slot.offset,
+            )
+        return arr
+
+    def chunk(self, seen: Callable[[Any], None] | None = None) -> Deferred:
+        """The data as a :class:`Deferred` chunk; ``seen(array)`` is called on each read (checksums)."""
+
+        def produce() -> Any:
+            arr = self.read()
+            if seen is not None:
+                seen(arr)
+            return arr.reshape(-1).view("u1").data if arr.size else b""
+
+        return Deferred(self.nbytes, produce)
+
+    def chunks(self, seen: Callable[[Any], None] | None = None) -> tuple[Deferred, ...]:
+        """The data as :class:`Deferred` chunks in file order; ``seen`` gets each one's bytes in
+        order (one array here; a sharded array's bands in :mod:`pytreeio.sharding`)."""
+        return (self.chunk(seen),)
+
+    def __repr__(self) -> str:
+        return f"Streamed({self.slot.key!r}, {self.shape}, {self.dtype})"
+
+
+def chunk_nbytes(chunk: Any) -> int:
+    """The length of one chunk of an :class:`Encoded` (a buffer or a :class:`Deferred`)."""
+    return chunk.nbytes if isinstance(chunk, Deferred) else len(as_memoryview(chunk))
 
 
 # --------------------------------------------------------------------------
@@ -418,6 +545,8 @@ def declared_options(fn: Callable[..., Any] | None) -> frozenset[str]:
     if fn is None:
         return frozenset()
     try:
+        import inspect as _inspect  # at registration, not at import (import time)
+
         sig = _inspect.signature(fn)
     except (TypeError, ValueError):
         return frozenset()
@@ -438,6 +567,8 @@ def declared_options(fn: Callable[..., Any] | None) -> frozenset[str]:
 def takes_dest(fn: Callable[..., Any]) -> bool:
     """Whether ``fn`` (an ``encode``) wants the destination path as the caller gave it."""
     try:
+        import inspect as _inspect
+
         return "dest" in _inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
@@ -471,6 +602,9 @@ class Format(NamedTuple):
         loads (``pytreeio.open``): where each native array lies, read from
         headers only (``source`` as for ``inspect``); None when the format
         has none (lazy views then decode the whole checkpoint once).
+      streams: ``encode`` takes :class:`Streamed` array leaves (headers from
+        their shapes and dtypes) and emits :class:`Deferred` chunks for their
+        data, so conversions into this format stream tensor by tensor.
     """
 
     name: str
@@ -487,6 +621,7 @@ class Format(NamedTuple):
     accepts_meta: bool = True
     keeps_meta: bool = True
     slots: Callable[..., Slots] | None = None
+    streams: bool = False
 
     @property
     def is_model_format(self) -> bool:
@@ -528,16 +663,26 @@ class Format(NamedTuple):
 
 _REGISTRY: dict[str, Format] = {}
 _builtins_loaded = False
+_builtins_loading = False
+# Threads that consult the registry first must wait until every built-in format is registered.
+_builtins_lock = threading.RLock()
 
 
 def _load_builtins() -> None:
-    global _builtins_loaded
+    global _builtins_loaded, _builtins_loading
     if _builtins_loaded:
         return
-    _builtins_loaded = True
-    from .fmt import load  # the format package lists its modules; they call register()
+    with _builtins_lock:
+        if _builtins_loaded or _builtins_loading:  # (a format module consulting the registry)
+            return
+        _builtins_loading = True
+        try:
+            from .fmt import load  # the format package lists its modules; they call register()
 
-    load()
+            load()
+        finally:
+            _builtins_loaded = True
+            _builtins_loading = False
 
 
 def register(fmt: Format, *, replace: bool = False) -> Format:

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -53,6 +55,10 @@ __all__ = [
     "is_namedtuple",
     "namedtuple_fields",
     "is_jax_array",
+    "LazyLeaf",
+    "partial_restore",
+    "allows_extra",
+    "map_leaves",
 ]
 
 Component = str | int | tuple[str, int]  # str key, int dict key, ("[", index) for sequences
@@ -67,6 +73,47 @@ class _Missing:
 
 #: Marks an entry that the file does not hold (used while restoring).
 MISSING: Any = _Missing()
+
+
+class LazyLeaf:
+    """A leaf of a native tree whose value is read only when :func:`restore` places it.
+
+    Lazy views (:mod:`pytreeio.lazy`) put these in the native tree they hand to a
+    format's ``restore``; ``shape`` and ``dtype`` describe the stored array, and
+    :meth:`read` returns exactly what ``decode`` would have put there.
+    """
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+    def read(self) -> Any:
+        raise NotImplementedError
+
+    def read_region(self, region: tuple[tuple[int, int], ...]) -> Any:
+        """The C-order block ``region`` (``(start, stop)`` per axis), reading only its bytes;
+        None when this leaf can only be read whole (see :mod:`pytreeio.sharding`)."""
+        return None
+
+
+# Partial restores: entries of the file that `like` lacks are skipped, not refused.
+# A context variable rather than a parameter, so that the restore functions of
+# formats (which call restore() themselves) need no new argument to honour it.
+_PARTIAL: ContextVar[bool] = ContextVar("pytreeio_partial_restore", default=False)
+
+
+@contextmanager
+def partial_restore(enabled: bool = True) -> Iterator[None]:
+    """Within this block :func:`restore` (and model restores) ignore file entries ``like`` lacks."""
+    token = _PARTIAL.set(enabled)
+    try:
+        yield
+    finally:
+        _PARTIAL.reset(token)
+
+
+def allows_extra() -> bool:
+    """Whether a restore may leave out file entries that ``like`` lacks (a partial restore)."""
+    return _PARTIAL.get()
 
 
 # --------------------------------------------------------------------------
@@ -504,7 +551,7 @@ def restore(
 
 def _refuse_extra(extra: set[Any], path: tuple[Component, ...]) -> None:
     """Raise for file entries the caller's ``like`` has no place for (they would be lost)."""
-    if extra:
+    if extra and not _PARTIAL.get():
         names = sorted(str(k) for k in extra)
         more = " ..." if len(names) > 10 else ""
         raise MismatchError(
@@ -533,6 +580,14 @@ def _restore_plain_dict(
 
 
 def _restore_leaf(native: Any, like: Any, path: tuple[Component, ...], convert: bool) -> Any:
+    if isinstance(native, LazyLeaf):
+        if convert and _sharded_like(like):
+            from .sharding import place  # each device's slice read on its own
+
+            placed = place(native, like, key_string(path))
+            if placed is not None:
+                return placed
+        native = native.read()  # only the leaves that end up in the result are read
     if native is MISSING:
         raise MismatchError(
             "missing from the file",
@@ -576,6 +631,17 @@ def _restore_leaf(native: Any, like: Any, path: tuple[Component, ...], convert: 
         expected="an array, ShapeDtypeStruct, Python scalar or None",
         found=describe_leaf(native),
     )
+
+
+def _sharded_like(like: Any) -> bool:
+    """A jax template leaf whose sharding spans several devices (not a typed PRNG key)."""
+    sharding = getattr(like, "sharding", None)
+    if sharding is None or prng_keys.is_key(like):
+        return False
+    try:
+        return len(sharding.device_set) > 1
+    except Exception:
+        return False
 
 
 def _restore_scalar(native: Any, like: Any, path: tuple[Component, ...]) -> Any:
@@ -640,3 +706,14 @@ def _as_kind_of(arr: Any, like: Any) -> Any:
         # for every new shape (~10 ms each on first use).
         return jax.device_put(arr, getattr(like, "sharding", None))
     return arr
+
+
+def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree`` with every leaf replaced by ``fn(leaf)`` (same node types; ``None`` kept)."""
+    kids = node_children(tree)
+    if kids is None:
+        return fn(tree)
+    pairs, rebuild = kids
+    if tree is None:
+        return None
+    return rebuild([map_leaves(fn, child) for _, child in pairs])

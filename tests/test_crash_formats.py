@@ -7,8 +7,10 @@ The parent SIGKILLs it at random moments and then loads the destination with
 :func:`pytreeio.load`: it must be the complete previous or the complete new
 version, never a mix and never unloadable (a first save was made before any
 kill).  Temporaries left by a kill must be gone after the next save.  The
-layouts: one single file (safetensors, ~30 MB), the netcl-checkpoint sibling
-pair (``.npz`` + ``.json``), and the waffe2 and bullet directories.  Two
+layouts: every single-file format (safetensors and msgpack ~30 MB, Tiny
+Llama ~21 MB, DataCode ``.nn`` and the netcl model ``.npz`` ~24 MB,
+netcl-params ~16 MB), the netcl-checkpoint sibling pair (``.npz`` +
+``.json``), and the waffe2 and bullet directories.  Two
 savers racing on one destination (with the parent loading meanwhile) must
 also always leave, and show, one complete version.
 """
@@ -51,12 +53,33 @@ def tree(v):
         layers = {"0": {"weights": full(2048, 2048), "bias": full(2048)},
                   "1": {"weights": full(1024, 2048), "bias": full(1024)}}
         return {"param": {"linearlayer": layers}}
+    if fmt == "tinyllama":  # ~21 MB
+        d, f, vocab, seq = 256, 1024, 4096, 256
+        layer = {"wq": full(d, d), "wk": full(d, d), "wv": full(d, d), "wo": full(d, d),
+                 "w1": full(d, f), "b1": full(f), "w2": full(f, d), "b2": full(d),
+                 "ln1": {"scale": full(d), "bias": full(d)},
+                 "ln2": {"scale": full(d), "bias": full(d)}}
+        return {"tok_embedding": full(vocab, d), "pos_embedding": full(seq, d),
+                "layers": [layer] * 4, "output": full(d, vocab)}
+    if fmt == "datacode":
+        return {"layer0": {"weight": full(2048, 2048), "bias": full(2048)},
+                "layer2": {"weight": full(2048, 1024), "bias": full(1024)}}
+    if fmt == "netcl":  # the model file (.npz)
+        return [{"weight": full(2048, 2048), "bias": full(2048)}, {},
+                {"weight": full(2048, 1024), "bias": full(1024)}]
+    if fmt == "netcl-params":
+        return {"p0": full(2048, 2048), "p1": full(2048)}
     if fmt == "bullet":
         def part(value):
             return {"l0w": full(768, 2048, value=value), "l0b": full(2048, value=value),
                     "l1w": full(4096, 1, value=value), "l1b": full(1, value=value)}
         return {"weights": part(v / 128), "momentum": part(v), "velocity": part(v + 0.5)}
     raise SystemExit(f"unknown format {fmt}")
+
+# what the model formats cannot infer from the arrays
+META = {"tinyllama": {"config": {"n_heads": 4, "dropout": 0.0}},
+        "datacode": {"layers": ["Linear", "ReLU", "Linear"]},
+        "netcl": {"config": ["Linear", "ReLU", "Linear"]}}
 
 if mode == "pause":  # stop right between the two commit renames of a sibling pair
     real, calls = io._rename, []
@@ -74,18 +97,29 @@ while True:
     v = base + k % 100 + 1
     t = tree(v)
     print("start", v, flush=True)
-    ptio.save(dest, t, format=fmt, durable=False)
+    ptio.save(dest, t, format=fmt, meta=META.get(fmt), durable=False)
     print("done", v, flush=True)
     k += 1
 """
 
 
-def _tree(fmt: str, v: int) -> dict[str, Any]:
-    """The parent's copy of the child's ``tree(v)`` (kept in step with CHILD)."""
+def _child_names(fmt: str) -> dict[str, Any]:
+    """The child's ``tree`` and ``META`` (run from CHILD's own text, so they stay in step)."""
     ns: dict[str, Any] = {"np": np}
     src = CHILD.split("def tree(v):", 1)[1].split("\nif mode", 1)[0]
     exec("def tree(v, fmt=fmt):" + src, {**ns, "fmt": fmt}, ns)
-    return ns["tree"](v)  # type: ignore[no-any-return]
+    return ns
+
+
+def _tree(fmt: str, v: int) -> Any:
+    """The parent's copy of the child's ``tree(v)``."""
+    return _child_names(fmt)["tree"](v)
+
+
+def _save(dest: Path, fmt: str, v: int) -> None:
+    ptio.save(
+        dest, _tree(fmt, v), format=fmt, meta=_child_names(fmt)["META"].get(fmt), durable=False
+    )
 
 
 class Child(SaverProcess):
@@ -104,9 +138,9 @@ def _version(dest: Path, fmt: str) -> int:
     elif fmt == "bullet":
         v = int(np.asarray(native["momentum"]["l0w"]).flat[0])
     else:
-        leaf = next(iter(native.values()))
-        while isinstance(leaf, dict):
-            leaf = next(iter(leaf.values()))
+        leaf = native
+        while isinstance(leaf, dict | list):
+            leaf = next(iter(leaf.values())) if isinstance(leaf, dict) else leaf[0]
         v = int(np.asarray(leaf).flat[0])
     _assert_is(native, _tree(fmt, v), fmt, v)
     return v
@@ -137,19 +171,34 @@ def _temporaries(directory: Path) -> set[str]:
 
 
 def _dest(tmp_path: Path, fmt: str) -> Path:
-    return tmp_path / {"safetensors": "ckpt.safetensors", "msgpack": "ckpt.msgpack"}.get(
-        fmt, "ckpt"
-    )
+    names = {
+        "safetensors": "ckpt.safetensors",
+        "msgpack": "ckpt.msgpack",
+        "tinyllama": "ckpt.bin",
+        "datacode": "ckpt.nn",
+        "netcl": "ckpt.npz",
+    }
+    return tmp_path / names.get(fmt, "ckpt")
 
 
-FORMATS = ["safetensors", "msgpack", "netcl-checkpoint", "waffe2", "bullet"]
+FORMATS = [
+    "safetensors",
+    "msgpack",
+    "tinyllama",
+    "datacode",
+    "netcl",
+    "netcl-params",
+    "netcl-checkpoint",
+    "waffe2",
+    "bullet",
+]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_sigkill_during_save_leaves_old_or_new(tmp_path: Path, fmt: str) -> None:
     dest = _dest(tmp_path, fmt)
     t0 = time.monotonic()
-    ptio.save(dest, _tree(fmt, 1000), format=fmt, durable=False)
+    _save(dest, fmt, 1000)
     save_s = max(time.monotonic() - t0, 0.05)
     assert _version(dest, fmt) == 1000
     rng = random.Random(f"crash-{fmt}")
@@ -170,7 +219,7 @@ def test_sigkill_during_save_leaves_old_or_new(tmp_path: Path, fmt: str) -> None
         current = v
         stale = _temporaries(tmp_path)
         assert len(stale) <= 3, stale  # at most what the interrupted save had made
-    ptio.save(dest, _tree(fmt, 7), format=fmt, durable=False)
+    _save(dest, fmt, 7)
     assert _temporaries(tmp_path) == set()
     assert _version(dest, fmt) == 7
 
@@ -178,13 +227,13 @@ def test_sigkill_during_save_leaves_old_or_new(tmp_path: Path, fmt: str) -> None
 def test_sigkill_between_the_renames_of_a_pair_rolls_forward(tmp_path: Path) -> None:
     fmt = "netcl-checkpoint"
     dest = _dest(tmp_path, fmt)
-    ptio.save(dest, _tree(fmt, 1000), format=fmt, durable=False)
+    _save(dest, fmt, 1000)
     child = Child(dest, fmt, mode="pause", base=50)
     child.wait_for("between")
     child.kill()
     assert any(n.endswith("-journal") for n in os.listdir(tmp_path))
     assert _version(dest, fmt) == 51  # the load finished the dead save's renames
-    ptio.save(dest, _tree(fmt, 7), format=fmt, durable=False)
+    _save(dest, fmt, 7)
     assert _temporaries(tmp_path) == set()
 
 
@@ -205,5 +254,5 @@ def test_two_concurrent_savers_always_leave_one_version(tmp_path: Path, fmt: str
         allowed = savers[0].possible_versions(None) | savers[1].possible_versions(None)
         assert v in allowed, (v, allowed)
     assert seen
-    ptio.save(dest, _tree(fmt, 7), format=fmt, durable=False)
+    _save(dest, fmt, 7)
     assert _temporaries(tmp_path) == set()

@@ -18,11 +18,12 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
         ("convert_pipeline.py", [], "0 changed"),
         ("tinyllama_generate.py", [], "generated ["),
         ("load_foreign.py", [], "all 5 systems loaded"),
+        ("orbax_manager.py", ["--format", "netcl-checkpoint"], "bit-exact = True"),
     ],
 )
 def test_example_runs(script: str, args: list[str], expect: str, tmp_path: Path) -> None:
-    if script in ("train_and_resume.py", "convert_pipeline.py"):
-        args = [*args, "--dir" if script == "train_and_resume.py" else "--out", str(tmp_path)]
+    if script in ("train_and_resume.py", "convert_pipeline.py", "orbax_manager.py"):
+        args = [*args, "--out" if script == "convert_pipeline.py" else "--dir", str(tmp_path)]
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=300
     )

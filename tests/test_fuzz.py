@@ -1,8 +1,9 @@
 """A bounded slice of the mutation fuzzer (tests/fuzz.py) for every format, and the fuzzer's own checks.
 
-About 200 inputs per format; ``nox -s fuzz`` (``python tests/fuzz.py -n 20000``)
+About 200 inputs per format through every stage (sniff, decode, inspect,
+verify, restore, to_model); ``nox -s fuzz`` (``python tests/fuzz.py -n 100000``)
 runs the long version.  The per-format counts (inputs, outcomes by stage and
-exception type, worst memory ratio and time per input) are printed and
+exception type, worst memory and time ratios) are printed and
 recorded as the ``fuzz`` test property.  Escapes the fuzzer found are kept
 below as explicit inputs, each naming the function that raised.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import json
 import struct
+import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +30,7 @@ from fuzz import (
     mutate_json,
 )
 
-from pytreeio.errors import FormatError, PytreeioError
+from pytreeio.errors import FormatError, MismatchError, PytreeioError
 from pytreeio.registry import FILE, Decoded, Encoded, Format, Info
 
 N = 200
@@ -62,6 +65,7 @@ def test_fuzz_single_file_formats(
     _record(report, capsys, record_property)
     assert report.inputs == N
     assert not report.failures, report.summary()
+    assert report.outcomes["sniff:ok"] == N and 0 < report.worst_time_ratio <= 1
 
 
 @pytest.mark.parametrize(
@@ -77,6 +81,7 @@ def test_fuzz_netcl_formats(name: str, rng_seed: int, capsys: Any, record_proper
     report = fuzz_format(fmt, default_seeds(name), N, rng_seed)
     _record(report, capsys, record_property)
     assert not report.failures, report.summary()
+    assert report.outcomes["sniff:ok"] == N and report.outcomes["to_model:ok"] > 0
 
 
 @pytest.mark.parametrize(("name", "rng_seed"), [("datacode", 31), ("waffe2", 32), ("bullet", 33)])
@@ -103,6 +108,7 @@ def test_fuzz_newer_formats(
     assert report.inputs == N
     assert not report.failures, report.summary()
     assert 0 < report.worst_memory_ratio <= 1
+    assert report.outcomes["sniff:ok"] == N and 0 < report.worst_time_ratio <= 1
 
 
 # --------------------------------------------------------------------------
@@ -111,8 +117,9 @@ def test_fuzz_newer_formats(
 
 
 def _all_stages_raise_pytreeio_errors(fmt: Format, data: Any, **options: Any) -> list[str]:
-    """Run decode, inspect, restore (into a copy of the decoded tree) and to_model on
-    ``data`` as the fuzzer does; every exception must be a PytreeioError.  The outcomes."""
+    """Run every stage on ``data`` as the fuzzer does (restore into a copy of the decoded
+    tree); every exception must be a PytreeioError and sniffing must answer.  The
+    outcomes after sniffing."""
     from fuzz import _host, _run_one
 
     try:
@@ -123,7 +130,8 @@ def _all_stages_raise_pytreeio_errors(fmt: Format, data: Any, **options: Any) ->
     for stage, exc in _run_one(fmt, data, like, 10.0, options):
         assert exc is None or isinstance(exc, PytreeioError), f"{stage}: {exc!r}"
         outcomes.append(f"{stage}:{type(exc).__name__ if exc else 'ok'}")
-    return outcomes
+    assert outcomes[0] == "sniff:ok", outcomes
+    return outcomes[1:]
 
 
 def test_bullet_old_variant_record_with_a_zero_and_a_huge_dimension() -> None:
@@ -156,6 +164,27 @@ def test_bullet_step_txt_of_millions_of_lines_costs_its_size_only() -> None:
         outcomes = _all_stages_raise_pytreeio_errors(bullet.FORMAT, files, **seed.options)
     assert outcomes[0] == "decode:FormatError"
     assert memory.growth <= size + MEMORY_ALLOWANCE, memory.growth
+
+
+def test_verify_of_a_msgpack_map_with_keys_that_form_no_key_path(tmp_path: Path) -> None:
+    """A map key None or 1.5 (flax's reader keeps such keys): ptio.verify's NaN/inf count
+    raised TypeError from tree.flatten (checksum.nonfinite_counts); now such keys are
+    named by str()."""
+    import msgpack as msgpack_lib
+    from fuzz import _run_one
+
+    import pytreeio as ptio
+    from pytreeio.fmt import msgpack
+
+    blob = msgpack_lib.packb({None: float("nan"), "None": float("inf"), 1.5: 2.0, "a": 1.0})
+    like = {"None": 0.0, "a": 0.0}  # the fuzzer's like: a seed's tree
+    outcomes = dict(_run_one(msgpack.FORMAT, blob, like, 10.0))
+    assert outcomes["verify"] is None and outcomes["decode"] is None, outcomes
+    assert isinstance(outcomes["restore"], MismatchError), outcomes
+    path = tmp_path / "odd.msgpack"
+    path.write_bytes(blob)
+    info = ptio.verify(path)
+    assert info.meta["nonfinite"] == {"None": {"nan": 0, "inf": 1}, "None#0": {"nan": 1, "inf": 0}}
 
 
 def _wf2_dir(entries: dict[str, Any]) -> dict[str, bytes]:
@@ -268,6 +297,190 @@ def test_fuzzer_accepts_only_pytreeio_errors() -> None:
     assert not report.failures and report.outcomes["decode:FormatError"] >= 40
 
 
+def test_fuzzer_fails_sniffers_that_raise(tmp_path: Path) -> None:
+    """best_match would swallow the error; the sniff stage calls each sniffer itself."""
+
+    def sniff(probe: Any) -> float:
+        if probe.head != bytes(8):
+            raise ValueError("sniffer choked")
+        return 0.0
+
+    toy = _toy(lambda buffer: Decoded({}, {}))._replace(sniff=sniff)
+    report = fuzz_format(toy, [bytes(8)], 20, 0, save_dir=tmp_path)
+    assert report.outcomes["sniff:ValueError"] >= 1 and report.outcomes["sniff:ok"] >= 1
+    failure = next(f for f in report.failures if f.stage == "sniff")
+    assert "sniffer choked" in failure.error and failure.saved is not None
+
+
+def test_fuzzer_verify_stage_decodes_with_verify(tmp_path: Path) -> None:
+    calls = []
+
+    def decode(buffer: Any, *, verify: bool = False) -> Decoded:
+        calls.append(verify)
+        if verify and bytes(buffer) != bytes(8):
+            raise KeyError("checksum table")
+        return Decoded({"x": np.array([np.nan], np.float32)}, {})
+
+    report = fuzz_format(_toy(decode), [bytes(8)], 20, 0, save_dir=tmp_path)
+    assert {f.stage for f in report.failures} == {"verify"}
+    assert report.outcomes["decode:ok"] == 20 and calls.count(True) >= 20
+
+
+def _spin(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_fuzzer_fails_inputs_over_the_time_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CPU time above TIME_BASE + size x TIME_PER_BYTE in every one of three runs fails."""
+    import fuzz
+
+    monkeypatch.setattr(fuzz, "TIME_BASE", 0.002)
+    monkeypatch.setattr(fuzz, "TIME_PER_BYTE", 0.0)
+    runs = Counter[bytes]()
+
+    def decode(buffer: Any) -> Decoded:
+        data = bytes(buffer)
+        runs[data] += 1
+        if data != bytes(8):
+            _spin(0.02)
+        return Decoded({}, {})
+
+    report = fuzz_format(_toy(decode), [bytes(8)], 10, 0, save_dir=tmp_path)
+    over = [f for f in report.failures if f.stage == "time"]
+    assert over and report.outcomes["time:over"] == len(over)
+    assert "in each of 3 runs" in over[0].error and report.worst_time_ratio > 5
+    slow = [d for d in runs if d != bytes(8)]
+    assert slow and all(runs[d] >= 3 for d in slow)  # the traced run and two more
+    assert "of the bound" in report.summary()
+
+
+def test_time_bound_is_linear_in_the_size() -> None:
+    from fuzz import TIME_BASE, TIME_PER_BYTE, time_bound
+
+    assert time_bound(0) == TIME_BASE
+    assert time_bound(10**6) == pytest.approx(TIME_BASE + 10**6 * TIME_PER_BYTE)
+    assert time_bound(2 * 10**6) - time_bound(10**6) == pytest.approx(10**6 * TIME_PER_BYTE)
+
+
+def _disk_files(root: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_probe_buffer_gives_the_probe_io_reads_from_disk(tmp_path: Path) -> None:
+    """The sniff stage's probes (io.probe_buffer over the bytes) equal io.probe of the
+    same files on disk, for every layout and every registered format's sibling roles."""
+    import pytreeio as ptio
+    from pytreeio import io, registry
+
+    (tmp_path / "st").mkdir()
+    ptio.save(tmp_path / "st" / "a.safetensors", {"w": np.ones((2, 3), np.float32)})
+    (tmp_path / "pair").mkdir()
+    params = {"p0": np.ones((4, 8), np.float32), "p1": np.ones(8, np.float32)}
+    state = {"t": 3, "moments": [[np.zeros((4, 8), np.float32)] * 2, [np.zeros(8, np.float32)] * 2]}
+    ckpt = {"params": params, "optim_state": state, "config": {"step": 3}}
+    ptio.save(tmp_path / "pair" / "ckpt", ckpt, format="netcl-checkpoint")
+    seed = next(s for s in default_seeds("waffe2") if isinstance(s, dict))
+    for rel, blob in seed.items():
+        (tmp_path / "dir.wf2model" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "dir.wf2model" / rel).write_bytes(blob)
+    files = _disk_files(tmp_path)
+    layouts = {f.layout for f in registry.iter_formats()}
+    paths = [
+        tmp_path / "st" / "a.safetensors",
+        tmp_path / "pair" / "ckpt",
+        tmp_path / "pair" / "ckpt.npz",
+        tmp_path / "pair" / "ckpt.json",
+        tmp_path / "dir.wf2model",
+        tmp_path / "missing",
+        tmp_path,
+    ]
+    checked = 0
+    for path in paths:
+        for layout in layouts:
+            assert io.probe_buffer(path, files, layout) == io.probe(path, layout), (path, layout)
+            checked += 1
+    on_disk = io.probe(tmp_path / "pair" / "ckpt.npz", registry.FILE)
+    assert on_disk.members and on_disk.size > 0  # the comparison saw a real ZIP
+    assert io.probe(tmp_path / "dir.wf2model", registry.DIRECTORY).heads
+    assert checked >= 7 * 4
+
+
+def test_verify_stage_checks_a_directory_manifest_like_verify_on_disk(tmp_path: Path) -> None:
+    """The seeds' manifest is the one ``pytreeio checksum`` writes, and the buffer check
+    raises where ``ptio.verify`` of the same files on disk raises."""
+    from fuzz import _run_one, _with_manifest
+
+    import pytreeio as ptio
+    from pytreeio import checksum, registry
+
+    fmt = registry.get("waffe2")
+    seed = next(s for s in default_seeds("waffe2") if isinstance(s, dict))
+    dest = tmp_path / "m.wf2model"
+    for rel, blob in seed.items():
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_bytes(blob)
+    checksum.write_manifest(dest, "waffe2")
+    on_disk = json.loads((dest / checksum.MANIFEST_NAME).read_bytes())
+    ours = json.loads(_with_manifest("waffe2", seed)[checksum.MANIFEST_NAME])
+    assert on_disk["files"] == ours["files"] and len(ours["files"]) == len(seed)
+
+    with_manifest = _with_manifest("waffe2", seed)
+    like = fmt.decode(seed)[0]
+    assert dict(_run_one(fmt, with_manifest, like, 10.0))["verify"] is None
+    name = "parameters.json"
+    changed = {**with_manifest, name: with_manifest[name].replace(b"{", b"{ ", 1)}
+    outcome = dict(_run_one(fmt, changed, like, 10.0))
+    assert outcome["decode"] is None  # the decoder reads it fine: only the manifest knows
+    assert isinstance(outcome["verify"], FormatError) and outcome["verify"].field == name
+    (dest / name).write_bytes(changed[name])
+    with pytest.raises(FormatError) as on_disk_error:
+        ptio.verify(dest, format="waffe2")
+    assert on_disk_error.value.field == name
+    with pytest.raises(FormatError, match="malformed manifest"):
+        checksum.check_manifest_buffers(b'{"pytreeio-sum": 1, "files": []}', {})
+
+
+@pytest.mark.parametrize("name", ["safetensors", "netcl-checkpoint", "waffe2", "bullet"])
+def test_sniff_stage_recognises_every_seed_as_its_format(name: str, conformance: Path) -> None:
+    """Unmutated, every seed laid out as on disk is sniffed as its own format, as
+    ``ptio.load(path)`` without format= would."""
+    from fuzz import _sniff_all
+
+    from pytreeio import registry
+
+    fmt = registry.get(name)
+    for seed in default_seeds(name, conformance=conformance):
+        data = seed.data if isinstance(seed, Seed) else seed
+        found = _sniff_all(fmt, data)
+        assert found is not None and found.name == name
+
+
+def test_model_formats_restore_into_the_seed_model_as_flax_variables() -> None:
+    """The to_model stage of a model format is load(like=flax variables): to_model,
+    then restore_model; a layer whose shape changed is a MismatchError."""
+    from fuzz import _host, _model_like, _run_one
+
+    from pytreeio import registry
+    from pytreeio.fmt import netcl_checkpoint as nck
+
+    fmt = registry.get("netcl-params")
+    seed = default_seeds("netcl-params")[0]
+    assert isinstance(seed, dict)
+    native, meta = fmt.decode(seed)
+    model_like = _model_like(fmt, native, meta, {})
+    assert model_like is not None and "params" in model_like
+    outcomes = dict(_run_one(fmt, seed, _host(native), 10.0, {}, model_like))
+    assert outcomes["to_model"] is None and outcomes["restore"] is None
+    other = {"p0": np.ones((3, 8), np.float32), "p1": np.ones(8, np.float32)}
+    changed = {k: v.tobytes() for k, v in nck.PARAMS.encode(other).files.items()}  # type: ignore[union-attr]
+    outcomes = dict(_run_one(fmt, changed, _host(native), 10.0, {}, model_like))
+    assert isinstance(outcomes["to_model"], MismatchError), outcomes
+
+
 def test_fields_found_in_each_container() -> None:
     from fuzz import _msgpack_fields
 
@@ -327,6 +540,34 @@ def test_fuzzer_fails_inputs_that_use_too_much_memory(tmp_path: Path) -> None:
     failure = next(f for f in report.failures if f.stage == "memory")
     assert "peak growth" in failure.error and failure.saved is not None
     assert "worst memory" in report.summary()
+
+
+def _can_reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _can_reset_peak_rss(), reason="needs Linux /proc/self/clear_refs")
+def test_fuzzer_fails_inputs_whose_resident_memory_grows_too_much(tmp_path: Path) -> None:
+    """Memory tracemalloc cannot see (an anonymous map, as a C library would allocate)
+    still counts: the peak RSS may also grow by at most the input's size + 64 MiB."""
+    import mmap
+
+    def decode(buffer: Any) -> Decoded:
+        if bytes(buffer) != bytes(8):
+            block = mmap.mmap(-1, 80 << 20)
+            np.frombuffer(block, np.uint8).fill(1)  # 80 MiB resident, untraced
+            block.close()
+        return Decoded({}, {})
+
+    report = fuzz_format(_toy(decode), [bytes(8)], 4, 0, save_dir=tmp_path)
+    assert report.outcomes["rss:over"] >= 1 and report.outcomes["memory:over"] == 0
+    assert report.worst_rss_ratio > 1 and report.worst_memory_ratio < 0.1
+    failure = next(f for f in report.failures if f.stage == "rss")
+    assert "peak RSS growth" in failure.error and "worst peak RSS" in report.summary()
 
 
 def test_fuzzer_passes_seed_options_to_decode() -> None:

@@ -338,3 +338,57 @@ def test_inflation_allowance_is_shared_by_all_members() -> None:
     # each member alone fits 500 kB; together they do not
     with pytest.raises(FormatError, match="inflates to"):
         npy.read_npz(data, max_inflated=500_000)
+
+
+@pytest.mark.parametrize(
+    "shape", [(), (0,), (1,), (7, 3), (10**12,), (2,) * 30, (10**18, 0), (0, 10**19)]
+)
+@pytest.mark.parametrize("descr", ["<f4", "|u1", ">i8", "<U7", "|S3", "|b1", "<c16"])
+@pytest.mark.parametrize("fortran", [False, True])
+def test_canonical_header_fast_path_agrees_with_literal_eval(
+    shape: tuple[int, ...], descr: str, fortran: bool
+) -> None:
+    import ast
+
+    text = npy.npy_header(descr, shape, fortran)[10:].decode("latin1")
+    fast = npy._canonical_header(text)
+    want = ast.literal_eval(text)
+    if fast is not None:  # 20-digit dimensions take the general path
+        assert fast == want and type(fast["shape"]) is tuple
+    else:
+        assert any(d >= 10**19 for d in shape)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{'descr': '<f4', 'fortran_order': False, 'shape': (5), }\n",  # an int, not a tuple
+        "{'descr': '<f4', 'fortran_order': False, 'shape': (05,), }\n",
+        "{'descr': '<f4', 'fortran_order': 0, 'shape': (5,), }\n",
+        "{'shape': (5,), 'descr': '<f4', 'fortran_order': False, }\n",
+        "{'descr': '<M8[ns]', 'fortran_order': False, 'shape': (5,), }\n",
+    ],
+)
+def test_canonical_header_leaves_anything_unusual_to_the_general_path(text: str) -> None:
+    assert npy._canonical_header(text) is None
+
+
+def test_crc_mismatch_is_found_in_any_of_many_members(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytreeio import crc
+
+    monkeypatch.setattr(crc, "PIECE", 1000)
+    monkeypatch.setattr(crc, "_PARALLEL_MIN", 1)
+    items = {f"a{i}": np.arange(i * 997, dtype=np.float32) for i in range(12)}
+    data = ours(items)
+    back = npy.read_npz(data)
+    assert all(np.array_equal(back[k], v) for k, v in items.items())
+    members = npy.read_zip_directory(BufferSource(data))
+    for m in (members[3], members[11]):
+        bad = bytearray(data)
+        bad[m.data_offset + m.size - 1] ^= 0x40
+        with pytest.raises(FormatError, match=f"CRC-32 mismatch in member '{m.name}'"):
+            npy.read_npz(bytes(bad))
+        assert (
+            npy.read_npz(bytes(bad), verify_crc=False)[m.name[:-4]].shape
+            == items[m.name[:-4]].shape
+        )

@@ -114,6 +114,8 @@ from ..registry import (
     Entry,
     Format,
     Info,
+    Slot,
+    Slots,
     register,
 )
 
@@ -131,6 +133,7 @@ __all__ = [
     "encode",
     "decode",
     "inspect",
+    "slots",
     "sniff",
     "to_model",
     "from_model",
@@ -155,6 +158,7 @@ _RECORD_FILES = {"weights": WEIGHTS, "momentum": MOMENTUM, "velocity": VELOCITY,
 PAD_PATTERN = b"bullet"
 ALIGN = 64
 MAX_ID_BYTES = 1024
+_ID_PROBE = 32
 
 #: Saved-format types and their little-endian dtypes.
 TYPES: dict[str, np.dtype[Any]] = {"f32": np.dtype("<f4"), **quant.INT_TYPES}
@@ -493,9 +497,15 @@ class _Record:
 
 def _read_id(src: ByteSource, pos: int, file: str) -> tuple[str, int]:
     """The id starting at ``pos`` and the offset after its newline."""
-    n = min(MAX_ID_BYTES + 1, src.size - pos)
+    # Ids are short: a small first read keeps a header walk from reading much of the
+    # data that follows; only a long id needs the bounded second one.
+    n = min(_ID_PROBE, src.size - pos)
     head = bytes(src.read(pos, n, "record id"))
     end = head.find(b"\n")
+    if end < 0 and n < min(MAX_ID_BYTES + 1, src.size - pos):
+        n = min(MAX_ID_BYTES + 1, src.size - pos)
+        head = bytes(src.read(pos, n, "record id"))
+        end = head.find(b"\n")
     if end < 0:
         raise FormatError(
             f"no newline ends the record id within {n} bytes",
@@ -890,9 +900,9 @@ def _deferred(exc: QuantisationError) -> QuantisationError:
     return out
 
 
-def _check_raw(buf: Any, specs: Sequence[_Spec], sizes: Mapping[str, int]) -> None:
+def _check_raw(have: int, specs: Sequence[_Spec], sizes: Mapping[str, int]) -> None:
+    """raw.bin's size (``have`` bytes) against the saved format."""
     want = 4 * sum(sizes[s.id] for s in specs)
-    have = len(as_memoryview(buf))
     if have != want:
         raise FormatError(
             f"raw.bin holds {have} bytes; the saved format lists {want} ({len(specs)} f32 entries)",
@@ -901,18 +911,18 @@ def _check_raw(buf: Any, specs: Sequence[_Spec], sizes: Mapping[str, int]) -> No
         )
 
 
-def _check_quantised(buf: Any, specs: Sequence[_Spec], sizes: Mapping[str, int]) -> None:
-    view = as_memoryview(buf)
+def _check_quantised(src: ByteSource, specs: Sequence[_Spec], sizes: Mapping[str, int]) -> None:
+    """quantised.bin's size and padding (the only bytes read) against the saved format."""
     data = sum(sizes[s.id] * s.itemsize for s in specs)
     want = data + len(padding(data))
-    if len(view) != want:
+    if src.size != want:
         raise FormatError(
-            f"quantised.bin holds {len(view)} bytes; the saved format gives {data} bytes of data "
+            f"quantised.bin holds {src.size} bytes; the saved format gives {data} bytes of data "
             f"+ {want - data} of padding = {want}",
             path=QUANTISED,
-            offset=min(len(view), want),
+            offset=min(src.size, want),
         )
-    pad = bytes(view[data:])
+    pad = bytes(src.read(data, want - data, "padding"))
     if pad != padding(data) and pad != bytes(len(pad)):
         first = next(i for i, (a, b) in enumerate(zip(pad, padding(data))) if a != b)
         raise FormatError(
@@ -1051,7 +1061,7 @@ def _weights_from_raw(
     counts = {s.id: math.prod(_as_shape(shapes[s.id], s.id)) for s in specs}
     dims = _check_shapes_option(shapes, counts)
     view = as_memoryview(source[RAW])
-    _check_raw(view, specs, counts)
+    _check_raw(len(view), specs, counts)
     flat = _entry_arrays(view, specs, counts, quantised=False)
     return {rid: flat[rid].reshape(dims[rid]) for rid in model_order(flat)}
 
@@ -1133,10 +1143,10 @@ def _check_layout(
     meta["saved_format"] = [s.to_json() for s in specs]
     raw_view = as_memoryview(source[RAW]) if RAW in source else None
     if raw_view is not None:
-        _check_raw(raw_view, specs, sizes)
+        _check_raw(len(raw_view), specs, sizes)
     q_view = as_memoryview(source[QUANTISED]) if QUANTISED in source else None
     if q_view is not None:
-        _check_quantised(q_view, specs, sizes)
+        _check_quantised(BufferSource(q_view, name=QUANTISED), specs, sizes)
     if not check_quantised:
         return
     if q_view is None:
@@ -1149,6 +1159,119 @@ def _check_layout(
         flat = _entry_arrays(raw_view, specs, sizes, quantised=False)
         raw.update({rid: a.reshape(shapes[rid]) for rid, a in flat.items()})
     meta["quantisation_error"] = _quantisation_report(q_view, raw, specs, shapes)
+
+
+# --------------------------------------------------------------------------
+# slots: where each array lies (headers only)
+# --------------------------------------------------------------------------
+
+
+def _whole(source: Mapping[str, ByteSource], file: str) -> memoryview:
+    """A small text file's bytes (step.txt, log.txt: read whole, as decode does)."""
+    src = source[file]
+    return src.read(0, src.size, file)
+
+
+def _record_slots(
+    part: str, file: str, records: Sequence[_Record], shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, Slot]:
+    by_id = {r.id: r for r in records}
+    return {
+        rid: Slot(f"{part}/{rid}", r.offset, 4 * r.count, shapes[rid], _F32, role=file)
+        for rid, r in ((rid, by_id[rid]) for rid in model_order(by_id))
+    }
+
+
+def _raw_slots(
+    source: Mapping[str, ByteSource], specs: list[_Spec] | None, shapes: Any
+) -> dict[str, Slot]:
+    """:func:`_weights_from_raw` from raw.bin's size alone: the entries' slots."""
+    if (
+        RAW not in source
+        or specs is None
+        or not isinstance(shapes, Mapping)
+        or any(s.id not in shapes for s in specs)
+    ):
+        _weights_from_raw({}, None, None)  # raises its explanation
+    assert specs is not None and isinstance(shapes, Mapping)
+    counts = {s.id: math.prod(_as_shape(shapes[s.id], s.id)) for s in specs}
+    dims = _check_shapes_option(shapes, counts)
+    _check_raw(source[RAW].size, specs, counts)
+    offsets = {}
+    pos = 0
+    for spec in specs:
+        offsets[spec.id] = pos
+        pos += 4 * counts[spec.id]
+    return {
+        rid: Slot(f"weights/{rid}", offsets[rid], 4 * counts[rid], dims[rid], _F32, role=RAW)
+        for rid in model_order(counts)
+    }
+
+
+def slots(
+    source: Mapping[str, ByteSource],
+    *,
+    saved_format: Sequence[Mapping[str, Any]] | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    check_quantised: bool = False,
+    verify: bool = False,
+) -> Slots:
+    """:func:`decode`'s native tree with a :class:`Slot` per array, reading record headers only.
+
+    Weights read as ``(in, out)`` in C order: bullet's column-major ``out x in``
+    matrix is exactly those bytes.  step.txt and log.txt (meta) are read
+    whole; with ``saved_format`` the sizes of raw.bin and quantised.bin and
+    quantised.bin's padding are checked.  ``check_quantised`` (or ``verify``)
+    compares the data itself, so it reads raw.bin and quantised.bin whole.
+    """
+    check_quantised = check_quantised or (verify and saved_format is not None)
+    if saved_format is None and check_quantised:
+        raise MismatchError(
+            "check_quantised needs the layout: pass saved_format=",
+            key_path="saved_format",
+            found=None,
+        )
+    specs = _specs(saved_format) if saved_format is not None else None
+    tree: dict[str, dict[str, Slot]] = {}
+    meta: dict[str, Any] = {}
+    if WEIGHTS in source:
+        records = _walk_records(source[WEIGHTS], WEIGHTS)
+        counts = {r.id: r.count for r in records}
+        all_shapes = _infer_shapes(counts, {r.id: r.dims for r in records}, shapes)
+        tree["weights"] = _record_slots("weights", WEIGHTS, records, all_shapes)
+        for part in ("momentum", "velocity", "slow"):
+            file = _RECORD_FILES[part]
+            if file not in source:
+                continue
+            precs = _walk_records(source[file], file)
+            _same_ids(file, precs, counts)
+            tree[part] = _record_slots(part, file, precs, all_shapes)
+        if ("momentum" in tree) != ("velocity" in tree):
+            have, lack = (MOMENTUM, VELOCITY) if "momentum" in tree else (VELOCITY, MOMENTUM)
+            raise FormatError(f"{have} without {lack}", path=lack)
+        if STEP in source:
+            meta["steps"] = _parse_steps(_whole(source, STEP), counts)
+    else:
+        tree["weights"] = _raw_slots(source, specs, shapes)
+        all_shapes = {k: v.shape for k, v in tree["weights"].items()}
+    if LOG in source:
+        meta["log"] = _text(_whole(source, LOG), LOG)
+    if specs is not None:
+        sizes = {rid: math.prod(s.shape) for rid, s in tree["weights"].items()}
+        _specs([s.to_json() for s in specs], sizes)  # every id must be a tensor
+        meta["saved_format"] = [s.to_json() for s in specs]
+        if RAW in source:
+            _check_raw(source[RAW].size, specs, sizes)
+        if QUANTISED in source:
+            _check_quantised(source[QUANTISED], specs, sizes)
+        if check_quantised:
+            # the comparison needs the data: decode's check on the files read whole
+            files = {f: _whole(source, f) for f in (RAW, QUANTISED) if f in source}
+            weights = {rid: s.read(source) for rid, s in tree["weights"].items()}
+            _check_layout(files, specs, weights, all_shapes, True, meta)
+            if verify:
+                meta[REPORT] = {"quantisation_error": meta["quantisation_error"]}
+    return Slots(tree, meta)
 
 
 # --------------------------------------------------------------------------
@@ -1476,5 +1599,6 @@ FORMAT = register(
         sniff=sniff,
         to_model=to_model,
         from_model=from_model,
+        slots=slots,
     )
 )

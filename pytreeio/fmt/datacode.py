@@ -71,7 +71,19 @@ from .. import jsonsafe, serde_json
 from ..binary import BufferSource, ByteSource, Writer
 from ..errors import ConversionError, EncodeError, FormatError, MismatchError, PytreeioWarning
 from ..model import Layer, Model, entry_parts, layer_list
-from ..registry import FILE, MAGIC, Decoded, Encoded, Entry, Format, Info, Probe, register
+from ..registry import (
+    FILE,
+    MAGIC,
+    Decoded,
+    Encoded,
+    Entry,
+    Format,
+    Info,
+    Probe,
+    Slot,
+    Slots,
+    register,
+)
 
 __all__ = [
     "FORMAT",
@@ -82,6 +94,7 @@ __all__ = [
     "encode",
     "decode",
     "inspect",
+    "slots",
     "sniff",
     "to_model",
     "from_model",
@@ -521,6 +534,33 @@ def decode(source: Any, *, variant: str | None = None) -> Decoded:
             "bias": bias,
         }
     return Decoded(native, layout.meta())
+
+
+def slots(source: ByteSource, *, variant: str | None = None) -> Slots:
+    """Where each array of :func:`decode`'s native tree lies, from the record headers only.
+
+    Later-variant weights are stored ``(out, in)`` in C order: the same bytes
+    as ``(in, out)`` in Fortran order, which is how their slots read them.
+    """
+    _check_variant(variant, "slots")
+    src = _source(source)
+    layout = _read_layout(src, variant)
+    tree: dict[str, dict[str, Slot]] = {}
+    for pos, parts in sorted(layout.by_position.items()):
+        w, b = parts["weight"], parts["bias"]
+        later = layout.variant == "later"
+        tree[f"layer{pos}"] = {
+            "weight": Slot(
+                w.name,
+                w.data_offset,
+                w.nbytes,
+                w.dims[::-1] if later else w.dims,
+                _F32,
+                fortran=later,
+            ),
+            "bias": Slot(b.name, b.data_offset, b.nbytes, (b.nbytes // 4,), _F32),
+        }
+    return Slots(tree, layout.meta())
 
 
 def inspect(source: ByteSource) -> Info:
@@ -993,5 +1033,6 @@ FORMAT = register(
         sniff=sniff,
         to_model=to_model,
         from_model=from_model,
+        slots=slots,
     )
 )

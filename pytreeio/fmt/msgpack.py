@@ -43,20 +43,34 @@ The format has no magic number, so ``sniff`` only ever makes a weak guess.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import mmap
 import struct
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from .. import dtypes, keys, nnx
+from .. import dtypes, keys, nnx, sharding
 from ..binary import ByteSource, Reader, Writer, check_shape
-from ..errors import EncodeError
-from ..registry import FILE, WEAK, Decoded, Encoded, Entry, Format, Info, Probe, register
+from ..errors import EncodeError, FormatError
+from ..registry import (
+    FILE,
+    WEAK,
+    Decoded,
+    Encoded,
+    Entry,
+    Format,
+    Info,
+    Probe,
+    Slot,
+    Slots,
+    register,
+)
 from ..tree import is_jax_array, is_namedtuple, key_string, namedtuple_fields
 
 __all__ = ["FORMAT", "encode", "decode", "inspect", "sniff", "MAX_CHUNK_BYTES"]
@@ -149,6 +163,12 @@ def _packed_dtype_name(dt: np.dtype[Any]) -> bytes:
 _PACKED_NAMES: dict[np.dtype[Any], bytes] = {}
 
 
+def _array_head(shape: tuple[int, ...], dt: np.dtype[Any], nbytes: int, code: int) -> bytes:
+    """The extension header and ``[shape, dtype, bin header]`` that precede an array's bytes."""
+    head = b"\x93" + _packb(shape) + _packed_dtype_name(dt) + _bin_header(nbytes)
+    return _ext_header(code, len(head) + nbytes) + head
+
+
 def _as_host_array(x: Any, path: tuple[Any, ...]) -> np.ndarray:
     arr = np.asarray(x)
     why = dtypes.check_plain(arr.dtype)
@@ -182,6 +202,32 @@ class _Encoder:
             self.w.raw(_packb(str(i)))
             self.ext_array(flat[s : s + per_chunk], _EXT_NDARRAY)
 
+    def sharded(self, leaf: sharding.ShardedLeaf, path: tuple[Any, ...]) -> None:
+        """A sharded array: the framing computed from its shape, its bytes from its shards."""
+        why = dtypes.check_plain(leaf.dtype)
+        if why is not None:
+            raise EncodeError(why, key_path=key_string(path))
+        dt, size = leaf.dtype.newbyteorder("<"), leaf.nbytes
+        if size <= self.chunk_bytes:
+            self.w.raw(_array_head(leaf.shape, dt, size, _EXT_NDARRAY))
+            for c in leaf.chunks():
+                self.w.deferred(c)
+            return
+        per_chunk = max(1, int(self.chunk_bytes / dt.itemsize))
+        count = size // dt.itemsize
+        starts = range(0, count, per_chunk)
+        self.w.raw(_map_header(3) + _packb(_CHUNKED) + b"\xc3" + _packb("shape"))
+        self.w.raw(
+            _map_header(len(leaf.shape))
+            + b"".join(_packb(str(i)) + _packb(d) for i, d in enumerate(leaf.shape))
+        )
+        self.w.raw(_packb("chunks") + _map_header(len(starts)))
+        for i, s in enumerate(starts):
+            n = min(per_chunk, count - s)
+            self.w.raw(_packb(str(i)) + _array_head((n,), dt, n * dt.itemsize, _EXT_NDARRAY))
+            for c in leaf.chunks(None, s * dt.itemsize, (s + n) * dt.itemsize):
+                self.w.deferred(c)
+
     def mapping(self, items: list[tuple[str, Any]], path: tuple[Any, ...], depth: int) -> None:
         self.w.raw(_map_header(len(items)))
         for k, v in items:
@@ -197,6 +243,10 @@ class _Encoder:
         if t is np.ndarray or is_jax_array(x):
             if t is not np.ndarray and keys.is_key_dtype(x.dtype):
                 self.prng_key(x, path, depth)
+                return
+            sharded = None if t is np.ndarray else sharding.sharded_leaf(x, key_string(path))
+            if sharded is not None:  # written shard by shard, never gathered
+                self.sharded(sharded, path)
                 return
             arr = _as_host_array(x, path)
             if arr.nbytes > self.chunk_bytes:
@@ -298,14 +348,28 @@ def encode(
 
 
 class _ArrayHeader:
-    """An array's shape and dtype, where ``inspect`` skips the data."""
+    """An array's shape and dtype, where ``inspect`` (and ``slots``) skip the data.
 
-    __slots__ = ("dtype", "nbytes", "shape")
+    ``offset`` is where the payload starts; ``parts`` the chunks of a flax
+    chunked array; ``npscalar`` marks a numpy scalar (ext type 3).
+    """
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any], nbytes: int) -> None:
+    __slots__ = ("dtype", "nbytes", "npscalar", "offset", "parts", "shape")
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+        nbytes: int,
+        offset: int = -1,
+        parts: tuple[_ArrayHeader, ...] | None = None,
+    ) -> None:
         self.shape = shape
         self.dtype = dtype
         self.nbytes = nbytes
+        self.offset = offset
+        self.parts = parts
+        self.npscalar = False
 
 
 class _Indexed(dict):  # type: ignore[type-arg]
@@ -482,10 +546,23 @@ class _Parser:
         at = r.start + r.pos
         out: dict[Any, Any] = {}
         summarise = self.summarise
+        skip_data = self.skip_data
         try:
             for i in range(n):
                 key_at = r.pos
                 b = view[key_at] if key_at < end else 0xC1
+                if (
+                    0xA0 <= b <= 0xBF
+                    and key_at + 1 + (b & 0x1F) < end
+                    and 0xC7 <= view[key_at + 1 + (b & 0x1F)] <= 0xC9
+                    and (item := _fast_item(view, key_at, end, skip_data))
+                ):
+                    key, value, pos = item
+                    if key not in out and key not in _MARKERS:
+                        r.pos = pos
+                        if not self.summarise or self._keep(value, n):
+                            out[key] = value
+                        continue
                 if 0xA0 <= b <= 0xBF and key_at + 1 + (b & 0x1F) <= end:
                     # fixstr keys (every flax state dict) without a call
                     try:
@@ -505,7 +582,14 @@ class _Parser:
                     raise r.error(f"duplicate map key {key!r:.80}", field, r.start + key_at)
                 if i == 0 and key in _MARKERS:
                     self.summarise = False  # a chunked array or a key is kept whole: one entry
-                value = self.value(depth, child if not field else field + "/" + child)
+                sub = child if not field else field + "/" + child
+                p = r.pos
+                b = view[p] if p < end else 0xC1
+                if 0x80 <= b <= 0x8F:  # a fixmap (every inner node of a state dict), no dispatch
+                    r.pos = p + 1
+                    value = self.map(b & 0x0F, depth, sub)
+                else:
+                    value = self.value(depth, sub)
                 if not self.summarise or self._keep(value, n):
                     out[key] = value
         finally:
@@ -525,7 +609,10 @@ class _Parser:
             if code == _EXT_NPSCALAR:
                 if arr.shape != ():
                     raise body.error(f"numpy scalar with shape {arr.shape}", field, body.start)
-                return arr if isinstance(arr, _ArrayHeader) else arr[()]
+                if isinstance(arr, _ArrayHeader):
+                    arr.npscalar = True
+                    return arr
+                return arr[()]
             return arr
         if code == _EXT_COMPLEX:
             inner = _Parser(body, skip_data=False).value(depth + 1, field)
@@ -545,9 +632,10 @@ class _Parser:
     def ndarray(self, body: Reader, field: str) -> Any:
         shape, dt, n = _fast_array_header(body) or self.array_header(body, field)
         if self.skip_data:
+            at = body.offset
             body.skip(n, field)
             body.expect_end(field)
-            return _ArrayHeader(shape, dt, n)
+            return _ArrayHeader(shape, dt, n, at)
         arr = body.array(dt, shape, field)
         body.expect_end(field)
         return arr
@@ -640,6 +728,93 @@ def _fast_array_header(body: Reader) -> tuple[tuple[int, ...], np.dtype[Any], in
     return shape, dt, n
 
 
+# key (32) + ext header (6) + [ and its dims (1 + 1 + 15 * 5) + dtype name (32) + bin header (5)
+_ITEM_WINDOW = 32 + 6 + 2 + 15 * 5 + 32 + 5
+
+
+def _fast_item(view: memoryview, p: int, end: int, skip_data: bool) -> tuple[str, Any, int] | None:
+    """The map item at ``view[p]`` when it is a fixstr key and an array: (key, array, next pos).
+
+    Takes the common spelling only (every leaf of a state dict): a fixstr key,
+    then an ext 8/16/32 of code 1 holding ``[shape of uint dims, fixstr dtype,
+    bin]`` whose lengths agree exactly, with no zero dimension (whose nominal
+    size :func:`check_shape` must judge).  Anything else, malformed input
+    included, returns None for the general parser, which reports errors
+    precisely.  Every length is checked against the extension's end (itself
+    within ``end``) before it is used.
+    """
+    # The framing lies in the first bytes: parse a bytes copy of them (indexing
+    # bytes is much cheaper than indexing or slicing a memoryview).
+    h = view[p : p + _ITEM_WINDOW].tobytes()
+    v = h[0] - 0x9F  # where the value starts: after a fixstr key of h[0] - 0xA0 bytes
+    if not 1 <= v <= 32 or v + 8 > len(h):
+        return None
+    b = h[v]
+    if b == 0xC8:
+        q = v + 3
+        stop = q + 1 + (h[v + 1] << 8 | h[v + 2])
+    elif b == 0xC7:
+        q = v + 2
+        stop = q + 1 + h[v + 1]
+    elif b == 0xC9:
+        q = v + 5
+        stop = q + 1 + int.from_bytes(h[v + 1 : q], "big")
+    else:
+        return None
+    if h[q] != _EXT_NDARRAY or h[q + 1] != 0x93 or p + stop > end:
+        return None
+    limit = min(stop, len(h))
+    ndim = h[q + 2] - 0x90
+    if not 0 <= ndim <= 15:
+        return None
+    s = q + 3
+    dims = []
+    for _ in range(ndim):
+        # near the limit only a one-byte dim is taken (the widest takes 5 bytes)
+        if s + 5 > limit and (s >= limit or h[s] > 0x7F):
+            return None
+        c = h[s]
+        if c <= 0x7F:
+            dims.append(c)
+            s += 1
+        elif c == 0xCD:
+            dims.append(h[s + 1] << 8 | h[s + 2])
+            s += 3
+        elif c == 0xCE:
+            dims.append(int.from_bytes(h[s + 1 : s + 5], "big"))
+            s += 5
+        elif c == 0xCC:
+            dims.append(h[s + 1])
+            s += 2
+        else:
+            return None
+    if s >= limit:
+        return None
+    name_end = s + 1 + h[s] - 0xA0
+    if not s < name_end <= s + 32 or name_end >= limit:
+        return None
+    dt = _DTYPE_BY_FIXSTR.get(h[s:name_end])
+    if dt is None:
+        return None
+    w = _BIN_WIDTH.get(h[name_end])
+    s = name_end + 1 + (w or 0)
+    if w is None or s > limit:
+        return None
+    nbytes = int.from_bytes(h[name_end + 1 : s], "big")
+    count = math.prod(dims)
+    # dims < 2**32 and nbytes < 2**32: a non-zero count that matches is a valid array.
+    if s + nbytes != stop or count == 0 or count * dt.itemsize != nbytes:
+        return None
+    try:
+        key = h[1:v].decode()
+    except UnicodeDecodeError:
+        return None
+    if skip_data:
+        return key, _ArrayHeader(tuple(dims), dt, nbytes, p + s), p + stop  # payload offset
+    arr = np.frombuffer(view, dt, count, p + s)
+    return key, (arr if ndim == 1 else arr.reshape(dims)), p + stop
+
+
 def _indexed(node: Any, what: str, fail: Any) -> list[Any]:
     """The values of a flax ``{'0': a, '1': b, ...}`` map, in index order."""
     if type(node) is not dict:
@@ -673,19 +848,22 @@ def _unchunk_one(node: dict[str, Any], fail: Any) -> Any:
     if total != count:
         raise fail(f"chunked array holds {total} elements, shape {shape} needs {count}")
     if isinstance(chunks[0], _ArrayHeader):
-        return _ArrayHeader(shape, dt, total * dt.itemsize)
+        return _ArrayHeader(shape, dt, total * dt.itemsize, chunks[0].offset, tuple(chunks))
     return np.concatenate(chunks).reshape(shape)
 
 
 class _KeyHeader:
     """A typed PRNG key as ``inspect`` sees it (its data skipped)."""
 
-    __slots__ = ("impl", "nbytes", "shape")
+    __slots__ = ("data", "impl", "nbytes", "shape")
 
-    def __init__(self, impl: str, shape: tuple[int, ...], nbytes: int) -> None:
+    def __init__(
+        self, impl: str, shape: tuple[int, ...], nbytes: int, data: _ArrayHeader | None = None
+    ) -> None:
         self.impl = impl
         self.shape = shape
         self.nbytes = nbytes
+        self.data = data
 
 
 def _prng_key_one(node: dict[str, Any], fail: Any) -> Any:
@@ -699,7 +877,7 @@ def _prng_key_one(node: dict[str, Any], fail: Any) -> Any:
         if data.dtype != np.dtype(np.uint32) or not data.shape:
             raise fail(f"PRNG key data must be a uint32 array, found {data.dtype.name}")
         # jax's implementations all have one-dimensional key data (threefry: 2 words)
-        return _KeyHeader(impl, data.shape[:-1], data.nbytes)
+        return _KeyHeader(impl, data.shape[:-1], data.nbytes, data)
     return keys.wrap(data, impl, fail)
 
 
@@ -732,6 +910,8 @@ def _parse(
     parser = _Parser(r, skip_data=skip_data, summarise=summarise)
     tree = parser.value(0, "")
     r.expect_end("end of msgpack object")
+    if not parser.marked:  # no chunked array or key map anywhere: nothing to replace
+        return tree, parser.unlisted
     return _unchunk(tree, parser, ""), parser.unlisted
 
 
@@ -772,6 +952,177 @@ def inspect(source: ByteSource) -> Info:
     return Info(format="msgpack", entries=tuple(entries), meta=meta)
 
 
+# --------------------------------------------------------------------------
+# slots: where each array's payload lies, without reading it
+# --------------------------------------------------------------------------
+
+#: Bytes read at a time while walking the framing.
+_WINDOW = 1 << 16
+#: An ndarray extension's ``[shape, dtype, bin header]`` is far shorter than this.
+_ARRAY_HEAD = 4096
+_BLOB_WIDTH = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}
+_EXT_WIDTH = {0xC7: 1, 0xC8: 2, 0xC9: 4}
+_FIXED_SIZE = {b: st.size for b, st in _FIXED.items()}
+_COUNT_WIDTH = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
+
+
+class _Sparse:
+    """The file's framing bytes at their offsets in an untouched anonymous map.
+
+    :func:`_walk_framing` copies in every window it reads; array payloads are
+    skipped, so their pages are never read nor allocated.  The validating
+    parser then runs on this map exactly as ``inspect`` runs on the file.
+    """
+
+    def __init__(self, source: ByteSource) -> None:
+        self.source = source
+        self.size = source.size
+        self.buf: Any = mmap.mmap(-1, self.size) if self.size else bytearray()
+        self.have: set[int] = set()
+
+    def ensure(self, pos: int, n: int) -> bool:
+        """Copy in the windows covering ``[pos, pos + n)``; False if the file ends first."""
+        end = min(pos + n, self.size)
+        for w in range(pos // _WINDOW, (end - 1) // _WINDOW + 1) if end > pos else ():
+            if w not in self.have:
+                start = w * _WINDOW
+                data = self.source.read(start, min(_WINDOW, self.size - start), "msgpack")
+                self.buf[start : start + len(data)] = data
+                self.have.add(w)
+        return pos + n <= self.size
+
+    def uint(self, pos: int, width: int) -> int | None:
+        if not self.ensure(pos, width):
+            return None
+        return int.from_bytes(self.buf[pos : pos + width], "big")
+
+
+def _walk_framing(sp: _Sparse) -> None:
+    """Read the framing of the msgpack object into ``sp``, skipping array payloads.
+
+    Not a validator: it stops at anything it does not follow (an invalid byte,
+    the end of the file, absurd nesting) and leaves the error to the parser,
+    which meets it at the same offset with the real bytes in place.
+    """
+    pos = 0
+    pending = [1]  # values left to read at each open level
+    while pending:
+        if pending[-1] == 0:
+            pending.pop()
+            continue
+        pending[-1] -= 1
+        b = sp.uint(pos, 1)
+        if b is None:
+            return
+        count: int | None = None
+        if b <= 0x7F or b >= 0xE0 or b in (0xC0, 0xC2, 0xC3):
+            pos += 1
+        elif b <= 0x8F:
+            pos, count = pos + 1, 2 * (b & 0x0F)
+        elif b <= 0x9F:
+            pos, count = pos + 1, b & 0x0F
+        elif b <= 0xBF:
+            sp.ensure(pos, 1 + (b & 0x1F))
+            pos += 1 + (b & 0x1F)
+        elif b in _FIXED_SIZE:
+            sp.ensure(pos, 1 + _FIXED_SIZE[b])
+            pos += 1 + _FIXED_SIZE[b]
+        elif b in _BLOB_WIDTH:
+            w = _BLOB_WIDTH[b]
+            n = sp.uint(pos + 1, w)
+            if n is None or not sp.ensure(pos + 1 + w, n):
+                return
+            pos += 1 + w + n
+        elif b in _EXT_WIDTH or 0xD4 <= b <= 0xD8:
+            w = _EXT_WIDTH.get(b, 0)
+            n = sp.uint(pos + 1, w) if w else 1 << (b - 0xD4)
+            code = sp.uint(pos + 1 + w, 1)
+            if n is None or code is None:
+                return
+            body = pos + 2 + w
+            head = min(n, _ARRAY_HEAD) if code in (_EXT_NDARRAY, _EXT_NPSCALAR) else n
+            if not sp.ensure(body, head) or body + n > sp.size:
+                return
+            pos = body + n
+        elif b in _COUNT_WIDTH:
+            w, per = _COUNT_WIDTH[b]
+            n = sp.uint(pos + 1, w)
+            if n is None:
+                return
+            pos, count = pos + 1 + w, per * n
+        else:
+            return  # 0xC1: the parser reports it
+        if count is not None:
+            if len(pending) > _MAX_DEPTH + 2:
+                return
+            pending.append(count)
+
+
+def _read_parts(
+    key: str, parts: tuple[_ArrayHeader, ...], shape: tuple[int, ...]
+) -> Callable[[ByteSource], np.ndarray]:
+    """A flax chunked array: its chunks read and joined, as ``decode`` joins them."""
+
+    def read(src: ByteSource) -> np.ndarray:
+        chunks = [np.frombuffer(src.read(p.offset, p.nbytes, key), dtype=p.dtype) for p in parts]
+        return np.concatenate(chunks).reshape(shape)
+
+    return read
+
+
+def _slot_of(h: _ArrayHeader, key: str) -> Slot:
+    if h.parts is not None:
+        return Slot(
+            key, h.offset, h.nbytes, h.shape, h.dtype, reader=_read_parts(key, h.parts, h.shape)
+        )
+    return Slot(key, h.offset, h.nbytes, h.shape, h.dtype, convert=_item if h.npscalar else None)
+
+
+def _item(arr: np.ndarray) -> Any:
+    return arr[()]
+
+
+def _key_slot(h: _KeyHeader, key: str, source: str | None) -> Slot:
+    assert h.data is not None
+    data, impl = _slot_of(h.data, key), h.impl
+
+    def fail(reason: str) -> Exception:
+        return FormatError(reason, path=source, field=key, offset=data.offset)
+
+    inner = data.reader
+
+    def wrap(arr: np.ndarray) -> Any:
+        return keys.wrap(arr, impl, fail)
+
+    if inner is None:
+        return dataclasses.replace(data, convert=wrap)
+    return dataclasses.replace(data, reader=lambda src: wrap(inner(src)))
+
+
+def _as_slots(node: Any, path: tuple[Any, ...], source: str | None) -> Any:
+    if isinstance(node, _ArrayHeader):
+        return _slot_of(node, key_string(path))
+    if isinstance(node, _KeyHeader):
+        return _key_slot(node, key_string(path), source)
+    if type(node) is dict:
+        return {k: _as_slots(v, (*path, k), source) for k, v in node.items()}
+    if type(node) is list:
+        return [_as_slots(v, (*path, ("[", i)), source) for i, v in enumerate(node)]
+    return node
+
+
+def slots(source: ByteSource) -> Slots:
+    """Where each array's payload lies: the framing is read, payloads are skipped.
+
+    The values between arrays (keys, scalars, strings) are read as ``decode``
+    reads them; each array costs the window of the file around its header.
+    """
+    sp = _Sparse(source)
+    _walk_framing(sp)
+    tree, _ = _parse(memoryview(sp.buf), skip_data=True, source=source.name)
+    return Slots(_as_slots(tree, (), source.name), {})
+
+
 def sniff(probe: Probe) -> float:
     """A weak guess: a map whose first key is a string (every flax state dict), or an empty map."""
     head = probe.head
@@ -799,5 +1150,6 @@ FORMAT = register(
         sniff=sniff,
         accepts_meta=False,
         keeps_meta=False,
+        slots=slots,
     )
 )

@@ -50,7 +50,19 @@ from ..model import (
     refuse_or_warn,
     training_state,
 )
-from ..registry import STRUCTURE, Decoded, Encoded, Entry, Format, Info, Probe, Siblings, register
+from ..registry import (
+    STRUCTURE,
+    Decoded,
+    Encoded,
+    Entry,
+    Format,
+    Info,
+    Probe,
+    Siblings,
+    Slot,
+    Slots,
+    register,
+)
 from .netcl_naming import (
     META_KEY,
     NAMES,
@@ -193,6 +205,40 @@ def decode(
             raise FormatError(exc.reason, path=name, field=f"{META_KEY}.config[{i}]") from None
         layers[i] = {k: arrs[k] for k in NAMES.get(entry["type"], {}).values() if k in arrs}
     return Decoded(layers, meta)
+
+
+def _stand_in(slot: Slot) -> np.ndarray:
+    """An array of the slot's shape and dtype that costs no memory, for the shape checks."""
+    return np.broadcast_to(np.zeros((), slot.dtype), slot.shape)
+
+
+def slots(
+    source: Mapping[str, ByteSource], *, verify_crc: bool = True, allow_missing: bool = False
+) -> Slots:
+    """Where each array lies (ZIP directory, local and ``.npy`` headers); checked as ``decode`` checks."""
+    role = _role(source)
+    if role == "legacy":
+        js = source["legacy_json"]
+        meta = _meta_document(js.read(0, js.size, "json"), "legacy_json", "json")
+        name = "legacy_npz"
+        found = npy.npz_slots(source[name], role=name, verify_crc=verify_crc)
+    else:
+        name = role
+        found = npy.npz_slots(source[role], role=role, verify_crc=verify_crc)
+        held = {META_KEY: found[META_KEY].read(source)} if META_KEY in found else {}
+        meta = _meta_from_npz(held, role)
+    entries = _file_entries(meta, name)
+    layers = _split_members(found, len(entries), name)
+    for i, (entry, arrs) in enumerate(zip(entries, layers)):
+        try:
+            stand_ins = {k: _stand_in(v) for k, v in arrs.items()}
+            common = layer_to_common(entry["type"], stand_ins, f"[{i}]")
+            if not allow_missing:
+                normalize_layers([entry], [common])
+        except MismatchError as exc:
+            raise FormatError(exc.reason, path=name, field=f"{META_KEY}.config[{i}]") from None
+        layers[i] = {k: arrs[k] for k in NAMES.get(entry["type"], {}).values() if k in arrs}
+    return Slots(layers, meta)
 
 
 def _native_layers(tree: Any) -> list[dict[str, Any]]:
@@ -376,6 +422,7 @@ MODEL = register(
         inspect=inspect,
         sniff=sniff,
         to_model=to_model,
+        slots=slots,
         from_model=from_model,
     )
 )

@@ -49,7 +49,18 @@ from ..errors import (
     NetclShapeMismatchError,
 )
 from ..model import Model, refuse_or_warn, training_state
-from ..registry import STRUCTURE, Decoded, Encoded, Entry, Format, Info, Probe, Siblings, register
+from ..registry import (
+    STRUCTURE,
+    Decoded,
+    Encoded,
+    Entry,
+    Format,
+    Info,
+    Probe,
+    Siblings,
+    Slots,
+    register,
+)
 from .netcl_naming import META_KEY, check_types, host, read_npz, to_common, to_netcl
 
 __all__ = ["CHECKPOINT", "PARAMS", "NetclMissingParamError", "NetclShapeMismatchError"]
@@ -125,7 +136,7 @@ def _restore_named(
     arrays: Mapping[str, Any], like: Any, names: Sequence[str] | None, what: str
 ) -> Any:
     """Named arrays into a list ``like`` (netcl's checks and wording) or a dict ``like``."""
-    from ..tree import restore
+    from ..tree import allows_extra, restore
 
     prefix = (what,) if what else ()
     if isinstance(like, Mapping):
@@ -156,7 +167,7 @@ def _restore_named(
             )
         values.append(restore(arrays[n], lk, path=(*prefix, i)))
     extra = sorted(set(arrays) - set(names))
-    if extra:
+    if extra and not allows_extra():  # a partial load leaves them in the file
         raise MismatchError(f"the file has arrays that `like` lacks: {extra[:10]}", key_path=what)
     return type(like)(values) if isinstance(like, tuple) else values
 
@@ -407,6 +418,29 @@ def _decode_checkpoint(source: Mapping[str, Any], *, verify_crc: bool = True) ->
     return Decoded({"params": params, "optim_state": state, "config": config}, {"config": config})
 
 
+def _slots_checkpoint(source: Mapping[str, ByteSource], *, verify_crc: bool = True) -> Slots:
+    """Parameters as slots of the ``.npz``; the JSON sidecar (the optimizer state) is read whole."""
+    if "npz" not in source:
+        raise FormatError("no parameter .npz", field="npz")
+    params = npy.npz_slots(source["npz"], role="npz", verify_crc=verify_crc)
+    doc: Any = {}
+    if "json" in source:
+        js = source["json"]
+        raw = js.read(0, js.size, "json")
+        doc = jsonsafe.loads(raw, path="json", field="json", max_values=_max_values(len(raw)))
+        if not isinstance(doc, dict):
+            raise FormatError("the sidecar must be a JSON object", path="json", field="json")
+    config = doc.get("config", {})
+    # the moments are shaped like the parameters: slots carry shape and dtype
+    state = _decode_optim_state(doc.get("optim_state", {}), list(params.values()))
+    return Slots({"params": params, "optim_state": state, "config": config}, {"config": config})
+
+
+def _slots_params(source: Mapping[str, ByteSource], *, verify_crc: bool = True) -> Slots:
+    data, role = _params_source(source)
+    return Slots(npy.npz_slots(data, role=role, verify_crc=verify_crc), {})
+
+
 def _checkpoint_to_model(
     native: Any, meta: Mapping[str, Any], *, names: Sequence[str] | None = None, layers: Any = None
 ) -> Model:
@@ -564,6 +598,7 @@ CHECKPOINT = register(
         sniff=_sniff_checkpoint,
         restore=_restore_checkpoint,
         to_model=_checkpoint_to_model,
+        slots=_slots_checkpoint,
         from_model=_checkpoint_from_model,
         keeps_meta=False,
     )
@@ -581,6 +616,7 @@ PARAMS = register(
         sniff=_sniff_params,
         restore=_restore_params,
         to_model=_params_to_model,
+        slots=_slots_params,
         from_model=_params_from_model,
         accepts_meta=False,
         keeps_meta=False,

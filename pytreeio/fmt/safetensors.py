@@ -51,14 +51,16 @@ Variables.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import keyword
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from .. import dtypes, jsonsafe, keys, nnx
+from .. import dtypes, jsonsafe, keys, nnx, sharding
 from ..binary import ByteSource, Reader, Writer, check_shape
 from ..errors import EncodeError, FormatError
 from ..registry import (
@@ -66,11 +68,15 @@ from ..registry import (
     MAGIC,
     STRUCTURE,
     Decoded,
+    Deferred,
     Encoded,
     Entry,
     Format,
     Info,
     Probe,
+    Slot,
+    Slots,
+    Streamed,
     register,
 )
 from ..tree import (
@@ -108,6 +114,8 @@ _TREE_KEY = "pytreeio.tree"
 _META_KEY = "pytreeio.meta"
 _VERSION_KEY = "pytreeio.version"
 _SUM_KEY = "pytreeio.xxh3_64"
+#: A streamed tensor's checksum until it is read (checksums are 16 hex digits).
+_PENDING = "0" * 16
 
 _CODE_TO_NAME = {
     "BOOL": "bool",
@@ -127,6 +135,9 @@ _CODE_TO_NAME = {
     "F8_E5M2": "float8_e5m2",
 }
 _NAME_TO_CODE = {v: k for k, v in _CODE_TO_NAME.items()}
+_DTYPE_BY_CODE = {
+    code: dt for code, name in _CODE_TO_NAME.items() if (dt := dtypes.by_name(name)) is not None
+}
 
 
 # --------------------------------------------------------------------------
@@ -136,14 +147,14 @@ _NAME_TO_CODE = {v: k for k, v in _CODE_TO_NAME.items()}
 
 class _Collector:
     def __init__(self) -> None:
-        self.tensors: list[tuple[str, np.ndarray]] = []
+        self.tensors: list[tuple[str, np.ndarray | Streamed]] = []
 
-    def add(self, name: str, arr: np.ndarray, kind: str | None) -> dict[str, Any]:
+    def add(self, name: str, arr: np.ndarray | Streamed, kind: str | None) -> dict[str, Any]:
         if name == _META:
             raise EncodeError(f"the key {_META!r} is reserved by safetensors", key_path=name)
         if _code_of(arr.dtype) is None:
             raise EncodeError(f"safetensors cannot store dtype {arr.dtype.name}", key_path=name)
-        self.tensors.append((name, dtypes.c_order(arr)))
+        self.tensors.append((name, arr if isinstance(arr, Streamed) else dtypes.c_order(arr)))
         node: dict[str, Any] = {"leaf": name}
         if kind:
             node["kind"] = kind
@@ -154,7 +165,12 @@ class _Collector:
             raise EncodeError(f"tree is nested deeper than {MAX_TREE_DEPTH} levels", key_path=key)
         if isinstance(x, np.ndarray):
             return self.add(key, np.asarray(x), None)
+        if isinstance(x, Streamed):  # a streamed conversion's array: read when written
+            return self.add(key, x, None)
         if is_jax_array(x):
+            sharded = sharding.sharded_leaf(x, key)
+            if sharded is not None:  # written shard by shard, never gathered
+                return self.add(key, sharded, None)
             if keys.is_key_dtype(x.dtype):
                 impl, data = keys.key_data(x, key)
                 node = self.add(key, data, None)
@@ -257,35 +273,92 @@ def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, checksum: bool =
     }
     if meta:
         metadata[_META_KEY] = _meta_json(meta)
+    sums: dict[str, str] = {}
     if checksum:
         from ..checksum import array_checksum
 
-        sums = {name: array_checksum(arr) for name, arr in col.tensors}
-        metadata[_SUM_KEY] = json.dumps(sums, separators=(",", ":"), ensure_ascii=False)
+        # A streamed tensor is hashed when it is read; until then a placeholder of the
+        # same length holds its place, so the header's length is known up front.
+        sums = {
+            name: _PENDING if isinstance(arr, Streamed) else array_checksum(arr)
+            for name, arr in col.tensors
+        }
     # Largest items first keeps every tensor aligned to its dtype (the header is 8-aligned).
     order = sorted(range(len(col.tensors)), key=lambda i: -col.tensors[i][1].dtype.itemsize)
-    header: dict[str, Any] = {_META: metadata}
-    offset = 0
+
+    def header_text(sums: dict[str, str]) -> bytes:
+        if checksum:
+            metadata[_SUM_KEY] = json.dumps(sums, separators=(",", ":"), ensure_ascii=False)
+        header: dict[str, Any] = {_META: metadata}
+        offset = 0
+        for i in order:
+            name, arr = col.tensors[i]
+            header[name] = {
+                "dtype": _code_of(arr.dtype),
+                "shape": list(arr.shape),
+                "data_offsets": [offset, offset + arr.nbytes],
+            }
+            offset += arr.nbytes
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        text += b" " * (-len(text) % 8)
+        if len(text) > MAX_HEADER_BYTES:
+            raise EncodeError(
+                f"header of {len(text)} bytes exceeds the safetensors limit of {MAX_HEADER_BYTES}"
+            )
+        return text
+
+    text = header_text(sums)
+    if not any(isinstance(arr, Streamed) for _, arr in col.tensors):
+        w = Writer()
+        w.u64(len(text))
+        w.raw(text)
+        for i in order:
+            w.array(col.tensors[i][1])  # type: ignore[arg-type]  # no Streamed here
+        return Encoded(chunks=tuple(w.finish()))
+    return _streamed_encoding(col, order, text, sums if checksum else None, header_text)
+
+
+def _streamed_encoding(
+    col: _Collector,
+    order: list[int],
+    text: bytes,
+    sums: dict[str, str] | None,
+    header_text: Any,
+) -> Encoded:
+    """Chunks of a tree with :class:`Streamed` arrays: each read when written, the header last.
+
+    With checksums, each streamed tensor is hashed as it is read and the header
+    (same length: every checksum has 16 hex digits) is written after the data.
+    """
+
+    def hasher(name: str) -> Any:
+        import xxhash  # the data may come in pieces (a sharded array's bands): hash as it comes
+
+        state = xxhash.xxh3_64()
+
+        def seen(arr: np.ndarray) -> None:
+            assert sums is not None
+            state.update(arr.reshape(-1).view(np.uint8).data)
+            sums[name] = f"{state.intdigest():016x}"
+
+        return seen
+
+    chunks: list[Any] = []
     for i in order:
         name, arr = col.tensors[i]
-        header[name] = {
-            "dtype": _code_of(arr.dtype),
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + arr.nbytes],
-        }
-        offset += arr.nbytes
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    if len(text) > MAX_HEADER_BYTES:
-        raise EncodeError(
-            f"header of {len(text)} bytes exceeds the safetensors limit of {MAX_HEADER_BYTES}"
-        )
-    w = Writer()
-    w.u64(len(text))
-    w.raw(text)
-    for i in order:
-        w.array(col.tensors[i][1])
-    return Encoded(chunks=tuple(w.finish()))
+        if isinstance(arr, Streamed):
+            chunks.extend(arr.chunks(hasher(name) if sums is not None else None))
+        elif arr.nbytes:
+            chunks.append(arr.reshape(-1).view(np.uint8).data)
+    size = len(text)
+
+    def header() -> bytes:
+        final = header_text(sums) if sums is not None else text
+        if len(final) != size or (sums is not None and _PENDING in sums.values()):
+            raise EncodeError("a streamed tensor was not read before the header was written")
+        return size.to_bytes(8, "little") + final
+
+    return Encoded(chunks=(Deferred(8 + size, header, late=True), *chunks))
 
 
 # --------------------------------------------------------------------------
@@ -333,6 +406,25 @@ def _tensor(
     name: str, spec: Any, r: Reader, data_len: int, n: int
 ) -> tuple[np.dtype[Any], tuple[int, ...], int, int]:
     """One header entry, every field checked (shape before any arithmetic on it)."""
+    # The common case in one go (this runs once per tensor): plain ints only (``type(x) is
+    # int`` excludes bools), no zero dimension; anything else takes the checks below.
+    if type(spec) is dict and len(spec) == 3:
+        code = spec.get("dtype")
+        dt = _DTYPE_BY_CODE.get(code) if type(code) is str else None  # lists are unhashable
+        shape, offs = spec.get("shape"), spec.get("data_offsets")
+        if (
+            dt is not None
+            and type(shape) is list
+            and len(shape) <= 8
+            and type(offs) is list
+            and len(offs) == 2
+            and type(offs[0]) is int
+            and type(offs[1]) is int
+            and 0 <= offs[0] <= offs[1] <= data_len
+            and all(type(d) is int and 0 < d < 2**31 for d in shape)
+            and math.prod(shape) * dt.itemsize == offs[1] - offs[0]
+        ):
+            return dt, tuple(shape), offs[0], offs[1]
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
         raise r.error(f"tensor {name!r:.80}: needs exactly dtype, shape, data_offsets", name, 8)
     code = spec["dtype"]
@@ -578,6 +670,17 @@ def _check_sums(header: _Header, r: Reader, total: int) -> None:
             )
 
 
+def _view_array(
+    view: memoryview, dt: np.dtype[Any], shape: tuple[int, ...], start: int, stop: int
+) -> np.ndarray:
+    """The array at ``view[start:stop]`` (checked by :func:`_read_header`), without a copy.
+
+    ``frombuffer`` costs about half of ``np.ndarray(buffer=...)``: per-leaf cost.
+    """
+    arr = np.frombuffer(view, dt, (stop - start) // dt.itemsize, start)
+    return arr if len(shape) == 1 else arr.reshape(shape)
+
+
 def decode(buffer: Any, *, verify: bool = False) -> Decoded:
     """The tree in a safetensors buffer (arrays are views of it).
 
@@ -594,8 +697,8 @@ def decode(buffer: Any, *, verify: bool = False) -> Decoded:
     view = r.view
     # _read_header checked every shape and that each tensor's bytes lie in the data section
     arrays = {
-        name: np.ndarray(shape, dt, buffer=view, offset=base + b)
-        for name, (dt, shape, b, _e) in header.entries.items()
+        name: _view_array(view, dt, shape, base + b, base + e)
+        for name, (dt, shape, b, e) in header.entries.items()
     }
     md = header.metadata
     if _TREE_KEY not in md:
@@ -631,6 +734,73 @@ def inspect(source: ByteSource) -> Info:
     return Info(format="safetensors", entries=entries, meta=_user_meta(header, source.size))
 
 
+class _SlotRebuilder(_Rebuilder):
+    """The tree of :func:`slots`: :class:`Slot` leaves, each checked as ``decode`` checks the array."""
+
+    def leaf(self, node: dict[str, Any]) -> Any:
+        name = node["leaf"]
+        if not isinstance(name, str) or name not in self.arrays:
+            raise self.bad(f"refers to a missing tensor {name!r:.60}")
+        if name in self.used:
+            raise self.bad(f"uses tensor {name!r:.60} twice")
+        self.used.add(name)
+        slot: Slot = self.arrays[name]  # type: ignore[assignment]  # slots, not arrays
+        kind = node.get("kind")
+        if "key" in node:
+            if kind is not None:
+                raise self.bad(f"PRNG key {name!r:.60} has a scalar kind")
+            impl, bad = node["key"], self.bad
+
+            def as_key(arr: Any) -> Any:
+                return keys.wrap(arr, impl, lambda why: bad(f"{name!r:.60}: {why}"))
+
+            return dataclasses.replace(slot, convert=as_key)
+        if kind is None:
+            return slot
+        if slot.shape != ():
+            raise self.bad(f"scalar {name!r:.60} has shape {slot.shape}")
+        if kind == "npscalar":
+            return dataclasses.replace(slot, convert=_item)
+        if not isinstance(kind, str) or kind not in _KIND_DTYPES:
+            raise self.bad(f"unknown leaf kind {kind!r:.40}")
+        if np.dtype(slot.dtype).kind not in _KIND_DTYPES[kind]:
+            raise self.bad(f"{kind} scalar {name!r:.60} is stored as {np.dtype(slot.dtype).name}")
+        cls = _KIND_TYPES[kind]
+        return dataclasses.replace(slot, convert=lambda arr: cls(arr[()].item()))
+
+
+def _item(arr: np.ndarray) -> Any:
+    return arr[()]
+
+
+def slots(source: ByteSource) -> Slots:
+    """Where each tensor lies, from the header alone (8 + N bytes read); see :class:`Slot`."""
+    n = source.reader(0, 8, "header length").u64("header length")
+    _check_header_length(n, source.size, Reader(b"", source=source.name))
+    r = Reader(source.read(0, 8 + n, "header"), source=source.name)
+    header = _read_header(r, source.size)
+    base = 8 + header.n
+    found = {
+        name: Slot(name, base + b, e - b, shape, dt)
+        for name, (dt, shape, b, e) in header.entries.items()
+    }
+    md = header.metadata
+    if _TREE_KEY not in md:
+        return Slots(found, dict(md))
+    if md.get(_VERSION_KEY) != FORMAT_VERSION:
+        raise r.error(
+            f"unsupported pytreeio layout version {md.get(_VERSION_KEY)!r:.40}", _VERSION_KEY, 8
+        )
+    structure = _document(header, _TREE_KEY, _TREE_JSON_DEPTH, source.size)
+    meta = _user_meta(header, source.size)
+    rebuilder = _SlotRebuilder(found, r)  # type: ignore[arg-type]  # slots, not arrays
+    tree = rebuilder.node(structure)
+    unused = sorted(set(found) - rebuilder.used)
+    if unused:
+        raise r.error(f"tensors not referenced by the tree structure: {unused[:5]}", _TREE_KEY, 8)
+    return Slots(tree, meta)
+
+
 def sniff(probe: Probe) -> float:
     """A plausible header length followed by ``{`` (plus a header key in view: a near-certain match)."""
     head = probe.head
@@ -653,5 +823,7 @@ FORMAT = register(
         decode=decode,
         inspect=inspect,
         sniff=sniff,
+        slots=slots,
+        streams=True,
     )
 )

@@ -81,14 +81,14 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..binary import Buffer, ByteSource, Reader, Writer
 from ..errors import EncodeError, FormatError, MismatchError
-from ..registry import FILE, Decoded, Encoded, Entry, Format, Info, Probe, register
+from ..registry import FILE, Decoded, Encoded, Entry, Format, Info, Probe, Slot, Slots, register
 from ..registry import MAGIC as MAGIC_SCORE
 from ..tree import key_string
 
@@ -427,6 +427,45 @@ def inspect(source: ByteSource) -> Info:
     return Info(format=FORMAT_NAME, entries=entries, meta={"config": cfg}, path=source.name)
 
 
+def _record_reader(rec: _Record) -> Callable[[ByteSource], np.ndarray]:
+    """Read one record (its dims fields checked as ``decode`` checks them, then its data)."""
+
+    def read(src: ByteSource) -> np.ndarray:
+        r = src.reader(rec.offset, rec.end - rec.offset, rec.field)
+        _read_dims(r, rec)
+        return r.array("<f4", rec.dims, rec.field)
+
+    return read
+
+
+def slots(source: ByteSource, *, expected_config: Mapping[str, Any] | None = None) -> Slots:
+    """Where each record lies, computed from the 36-byte header and the file size."""
+    head = source.reader(0, min(HEADER_SIZE, source.size), "header")
+    cfg = _read_header(head)
+    _check_expected(cfg, expected_config)
+    if source.size != file_size(cfg):
+        # As decode: name the first record whose dims disagree (only their dims are read).
+        for rec in _records(cfg):
+            if rec.data_offset > source.size:
+                break
+            _read_dims(source.reader(rec.offset, 8 * len(rec.dims), rec.field), rec)
+        raise _size_error(cfg, source.size, source.name)
+    _check_record_budget(cfg, source.size, source.name)
+    tree = _empty_tree(cfg["n_layers"])
+    f32 = np.dtype("<f4")
+    for rec in _records(cfg):
+        slot = Slot(
+            _key_string(rec.path),
+            rec.data_offset,
+            rec.nbytes,
+            rec.dims,
+            f32,
+            reader=_record_reader(rec),
+        )
+        _set(tree, rec.path, slot)
+    return Slots(tree, {"config": cfg})
+
+
 def sniff(probe: Probe) -> float:
     """The magic number (the byte-swapped one too, so that decode's hint is reached)."""
     if probe.is_file and probe.head[:4] in (MAGIC_BYTES, _SWAPPED_MAGIC_BYTES):
@@ -738,5 +777,6 @@ FORMAT = register(
         inspect=inspect,
         sniff=sniff,
         restore=restore,
+        slots=slots,
     )
 )

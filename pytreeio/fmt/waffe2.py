@@ -113,6 +113,8 @@ from ..registry import (
     Format,
     Info,
     Probe,
+    Slot,
+    Slots,
     register,
 )
 from ..tree import describe_leaf, is_array_leaf
@@ -140,6 +142,7 @@ __all__ = [
     "encode",
     "decode",
     "inspect",
+    "slots",
     "sniff",
     "restore",
     "to_model",
@@ -971,6 +974,60 @@ def _close(src: Any) -> None:
         close()
 
 
+def _text_of(source: Mapping[str, ByteSource], name: str) -> bytes:
+    """A small JSON file's bytes (parameters.json, the sidecar)."""
+    src = source[name]
+    return bytes(src.read(0, src.size, name))
+
+
+def slots(source: Mapping[str, ByteSource]) -> Slots:
+    """:func:`decode`'s native tree with a :class:`Slot` per tensor entry (one per .npy file).
+
+    Reads parameters.json, the sidecar and each .npy header; a slot's data
+    starts after its file's header.  Entries naming one file share its slot.
+    """
+    if not isinstance(source, Mapping):
+        raise FormatError("a waffe2 checkpoint is a directory")
+    names = frozenset(source)
+    if PARAMETERS not in names:
+        raise FormatError("no parameters.json in the directory", path=PARAMETERS)
+    params_json = _text_of(source, PARAMETERS)
+    doc = _document(params_json)
+    side = _read_sidecar(_text_of(source, SIDECAR), params_json) if SIDECAR in names else None
+    shapes = side.shapes if side is not None else {}
+    native: dict[str, Any] = {}
+    headers: dict[str, npy.NpyHeader] = {}  # each file once, however many entries name it
+    tensors: set[str] = set()
+    for raw, key, value in _checked(doc):
+        if isinstance(value, str):
+            name = tensor_file(value, raw, names)
+            if name not in headers:
+                # not closed: the caller's sources stay open for the slots' reads
+                headers[name] = _header(source[name], name)
+            h = headers[name]
+            shape = shapes.get(raw, h.shape)
+            if math.prod(shape) != h.count:
+                raise FormatError(
+                    f"shape {list(shape)} has {math.prod(shape)} elements, the file {h.count}",
+                    path=SIDECAR,
+                    field=raw,
+                )
+            value = Slot(raw, h.data_offset, h.nbytes, tuple(shape), h.dtype, role=name)
+            tensors.add(raw)
+        _insert(native, key, value, raw)
+    stray = sorted(set(shapes) - tensors)
+    if stray:
+        raise FormatError(
+            f"names {stray[0]!r}, not a tensor of parameters.json", path=SIDECAR, field=stray[0]
+        )
+    meta: dict[str, Any] = {"keys": [k for k, _ in doc]}
+    if side is not None:
+        if side.layers is not None:
+            meta["layers"] = side.layers
+        meta.update(side.counters)
+    return Slots(native, meta)
+
+
 _KEY_HEAD = re.compile(rb'^\s*\{\s*"(?:missing_)?(?:param|optimizer):')
 
 
@@ -1657,5 +1714,6 @@ FORMAT = register(
         from_model=from_model,
         accepts_meta=True,
         keeps_meta=False,
+        slots=slots,
     )
 )

@@ -1,37 +1,145 @@
-"""Raw file I/O baselines shared by the benchmarks: what pytreeio is measured against."""
+"""Raw file I/O baselines: what pytreeio is measured against.
+
+Every baseline works on a *file set* (the files of one checkpoint, relative
+paths and sizes), so a format is compared with raw I/O of exactly its own
+bytes and layout.  Reads go into freshly allocated arrays, as a load must
+(page faults and kernel zero-fill included); the best raw read of a machine
+is the fastest of single-thread ``readinto``, multi-thread ``pread`` and
+``mmap`` + copy.
+"""
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 _MAX_WRITE = 1 << 30  # Linux caps one write() just under 2 GiB
+_PREAD_BLOCK = 16 << 20
+
+FileSet = list[tuple[str, int]]  # (relative path, size)
 
 
-def raw_write(path: Path, buffers: Sequence[Any], durable: bool) -> None:
-    """``write`` (+ ``fsync``) the buffers to ``path`` with no serialisation at all."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for b in buffers:
-            view = memoryview(b).cast("B")
+def file_set(root: Path, only: Sequence[str] | None = None) -> FileSet:
+    """The regular files under ``root`` (or ``root`` itself), lock files left out."""
+    if root.is_file():
+        return [(root.name, root.stat().st_size)]
+    files = sorted(
+        (p.relative_to(root).as_posix(), p.stat().st_size)
+        for p in root.rglob("*")
+        if p.is_file() and not p.name.endswith("-lock")
+    )
+    if only is not None:
+        files = [f for f in files if f[0] in only]
+    return files
+
+
+def _paths(root: Path, files: FileSet) -> list[tuple[Path, int]]:
+    if root.is_file():
+        return [(root, files[0][1])]
+    return [(root / rel, size) for rel, size in files]
+
+
+def raw_write(root: Path, files: FileSet, sources: Sequence[Any], durable: bool) -> None:
+    """Write files of the sizes in ``files`` under ``root`` from ``sources``, no encoding at all.
+
+    The bytes come from ``sources`` (the tree's own arrays: resident memory of
+    the same size a save reads) in turn, cycling when the files need more.
+    """
+    views = [memoryview(s).cast("B") for s in sources if memoryview(s).nbytes]
+    k, at = 0, 0  # current source and position in it
+    for rel, size in files:
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
             pos = 0
-            while pos < len(view):
-                pos += os.write(fd, view[pos : pos + _MAX_WRITE])
-        if durable:
-            os.fsync(fd)
+            while pos < size:
+                src = views[k]
+                n = min(size - pos, len(src) - at, _MAX_WRITE)
+                n = os.write(fd, src[at : at + n])
+                pos += n
+                at += n
+                if at == len(src):
+                    k, at = (k + 1) % len(views), 0
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fill(fd: int, view: memoryview, start: int, stop: int) -> None:
+    pos = start
+    while pos < stop:
+        n = os.preadv(fd, [view[pos:stop]], pos)
+        if n == 0:
+            raise OSError(f"file shorter than {stop} bytes")
+        pos += n
+
+
+def read_readinto(root: Path, files: FileSet) -> list[np.ndarray]:
+    """One thread, one ``readinto`` per file into a fresh array."""
+    out = []
+    for path, size in _paths(root, files):
+        buf = np.empty(size, np.uint8)
+        with open(path, "rb", buffering=0) as f:
+            view = memoryview(buf).cast("B")
+            pos = 0
+            while pos < size:
+                n = f.readinto(view[pos:])
+                if not n:
+                    raise OSError(f"{path} is shorter than {size} bytes")
+                pos += n
+        out.append(buf)
+    return out
+
+
+def read_pread(root: Path, files: FileSet, threads: int = 2) -> list[np.ndarray]:
+    """``threads`` threads ``pread`` 16 MiB blocks of every file into fresh arrays."""
+    out = []
+    fds = []
+    jobs = []
+    try:
+        for path, size in _paths(root, files):
+            fd = os.open(path, os.O_RDONLY)
+            fds.append(fd)
+            buf = np.empty(size, np.uint8)
+            out.append(buf)
+            view = memoryview(buf).cast("B")
+            jobs += [
+                (fd, view, s, min(s + _PREAD_BLOCK, size)) for s in range(0, size, _PREAD_BLOCK)
+            ]
+        with ThreadPoolExecutor(threads) as pool:
+            for f in [pool.submit(_fill, *job) for job in jobs]:
+                f.result()
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
+    return out
 
 
-def raw_readinto(path: Path, into: Any) -> None:
-    """``readinto`` the whole file into a preallocated buffer."""
-    with open(path, "rb", buffering=0) as f:
-        view = memoryview(into).cast("B")
-        pos = 0
-        while pos < len(view):
-            n = f.readinto(view[pos:])
-            if not n:
-                raise OSError(f"{path} is shorter than the buffer")
-            pos += n
+def read_mmap_copy(root: Path, files: FileSet) -> list[np.ndarray]:
+    """``mmap`` every file and copy it into a fresh array."""
+    out = []
+    for path, size in _paths(root, files):
+        if size == 0:
+            out.append(np.empty(0, np.uint8))
+            continue
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            src = np.frombuffer(m, np.uint8)
+            out.append(src.copy())
+            del src
+    return out
+
+
+#: The raw reads raced against every load; the best of them is the machine's limit.
+RAW_READS = {
+    "readinto (1 thread)": read_readinto,
+    "pread (2 threads)": read_pread,
+    "mmap + copy": read_mmap_copy,
+}

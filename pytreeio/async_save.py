@@ -1,0 +1,281 @@
+"""Saves that write in the background: :func:`save_async` and :func:`wait_saves`.
+
+``save_async`` does on the caller's thread everything that can fail because
+of the tree (choosing the format, checking options, encoding: an
+:class:`~pytreeio.errors.EncodeError` raises before it returns) and takes a
+snapshot of the bytes to write: jax arrays are fetched to the host (every
+``copy_to_host_async`` is started before the first is waited for), and every
+array buffer the encoding refers to is copied, numpy arrays included, so the
+caller may change its tree as soon as the call returns.  The atomic write
+and its fsyncs then run on a background thread; the returned
+:class:`SaveFuture`'s ``result()`` re-raises what the write raised.
+
+Ordering: saves to one destination (async or :func:`pytreeio.save`, same
+resolved path) happen in the order they were made; each waits for the one
+before it.  Across processes the destination's file lock serialises saves
+as it does for synchronous ones.  Each pending save holds its snapshot (about
+the tree's size) until it is written.
+
+:func:`wait_saves` waits for every pending save; it also runs at interpreter
+exit, so a program that ends right after ``save_async`` still writes its last
+checkpoint (a failure then is printed to stderr, nobody being left to see it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as _wait
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import io
+from .binary import as_memoryview
+from .registry import Encoded, Format
+
+__all__ = ["SaveFuture", "save_async", "wait_saves", "wait_for"]
+
+PathLike = str | os.PathLike[str]
+
+#: Background writers; saves to different destinations may overlap.
+_WORKERS = 2
+#: Snapshots at least this large are copied by several threads, in blocks.
+_PARALLEL_COPY_MIN = 64 << 20
+_COPY_BLOCK = 16 << 20
+
+
+class SaveFuture(Future[None]):
+    """The pending write of :func:`save_async`; ``result()`` re-raises its error.
+
+    It cannot be cancelled.  A failure nobody has looked at (through ``result()`` or ``exception()``)
+    is raised by :func:`wait_saves`, and printed at interpreter exit.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self._observed = False
+
+    def result(self, timeout: float | None = None) -> None:
+        self._observed = True
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._observed = True
+        return super().exception(timeout)
+
+    def cancel(self) -> bool:
+        """Saves are not cancelled (a later save to the destination counts on this one)."""
+        return False
+
+    def _error(self) -> BaseException | None:
+        """The error of a finished save, without counting as looking at it."""
+        return super().exception(0)
+
+
+_lock = threading.Lock()
+_newest: dict[str, SaveFuture] = {}  # the last save submitted, per destination
+_unsettled: set[SaveFuture] = set()  # running, or failed and not yet looked at
+_executor: ThreadPoolExecutor | None = None
+
+
+def _get_executor() -> ThreadPoolExecutor:
+    global _executor
+    with _lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(_WORKERS, thread_name_prefix="pytreeio-save")
+        return _executor
+
+
+def _dest_key(path: PathLike) -> str:
+    """One name per destination however it is spelt (symlinks resolved, as io's locks do)."""
+    p = Path(path)
+    if os.path.islink(p):
+        return os.path.realpath(p)
+    return os.path.join(os.path.realpath(p.parent), p.name)
+
+
+def wait_for(path: PathLike) -> None:
+    """Wait until the saves to ``path`` submitted so far are written (errors stay theirs)."""
+    if not _newest:  # the common case of a program that never saves asynchronously
+        return
+    with _lock:
+        pending = _newest.get(_dest_key(path))
+    if pending is not None:
+        _wait([pending])
+
+
+def wait_saves(timeout: float | None = None) -> None:
+    """Wait for every pending :func:`save_async`; raise the first failure nobody has seen.
+
+    Raises ``TimeoutError`` if saves are still running after ``timeout`` seconds.
+    """
+    with _lock:
+        futures = list(_unsettled)
+    _, running = _wait(futures, timeout=timeout)
+    if running:
+        raise TimeoutError(f"{len(running)} save(s) still running after {timeout} s")
+    errors = [e for f in futures if not f._observed and (e := f._error()) is not None]
+    with _lock:
+        _unsettled.difference_update(futures)
+    for f in futures:
+        f._observed = True
+    if errors:
+        if len(errors) > 1:
+            errors[0].add_note(f"({len(errors) - 1} other background save(s) failed too)")
+        raise errors[0]
+
+
+def _start_host_copies(tree: Any) -> None:
+    """Start the device-to-host copy of every jax array at once (they then overlap)."""
+    jax = sys.modules.get("jax")
+    if jax is None:  # no jax imported: the tree holds no jax arrays
+        return
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array) and not jax.dtypes.issubdtype(
+            leaf.dtype, jax.dtypes.prng_key
+        ):
+            with contextlib.suppress(Exception):  # deleted or donated: encoding reports it
+                leaf.copy_to_host_async()
+
+
+def _snapshot(encoded: Encoded) -> Encoded:
+    """``encoded`` with every buffer it borrows copied into memory of its own.
+
+    ``bytes`` chunks are immutable and kept; the rest (views of the caller's
+    arrays, or of host copies of jax arrays) are copied into one allocation.
+    """
+    if encoded.files is not None:
+        files = {k: _snapshot(v) for k, v in encoded.files.items()}
+        return Encoded(files=files, deferred=encoded.deferred, strict=encoded.strict)
+    views = [None if type(c) is bytes else as_memoryview(c) for c in encoded.chunks]
+    total = sum(len(v) for v in views if v is not None)
+    store = np.empty(total, dtype=np.uint8)  # uninitialised: each page is written once
+    chunks: list[Any] = []
+    copies: list[tuple[memoryview, int]] = []
+    pos = 0
+    for chunk, view in zip(encoded.chunks, views):
+        if view is None:
+            chunks.append(chunk)
+            continue
+        chunks.append(store.data[pos : pos + len(view)])
+        copies.append((view, pos))
+        pos += len(view)
+    _copy_into(store, copies)
+    return Encoded(chunks=tuple(chunks), deferred=encoded.deferred, strict=encoded.strict)
+
+
+def _copy_into(store: np.ndarray, copies: list[tuple[memoryview, int]]) -> None:
+    """Copy each view to its offset in ``store``; large snapshots in blocks on io's read pool.
+
+    Filling fresh memory costs a page fault per page, which one thread pays
+    serially; the blocks let the cores share it (as io's parallel reads do).
+    """
+    blocks = [
+        (view[i : i + _COPY_BLOCK], at + i)
+        for view, at in copies
+        for i in range(0, len(view), _COPY_BLOCK)
+    ]
+
+    def copy(block: tuple[memoryview, int]) -> None:
+        view, at = block
+        store[at : at + len(view)] = np.frombuffer(view, dtype=np.uint8)
+
+    if len(store) < _PARALLEL_COPY_MIN:
+        for block in blocks:
+            copy(block)
+        return
+    for _ in io._get_pool().map(copy, blocks):  # re-raises the first failure
+        pass
+
+
+def _write(
+    future: SaveFuture,
+    before: SaveFuture | None,
+    path: PathLike,
+    encoded: Encoded,
+    fmt: Format,
+    durable: bool,
+) -> None:
+    from .api import _deliver_deferred
+
+    try:
+        if before is not None:
+            _wait([before])  # submitted earlier to a FIFO pool: already running or done
+        future.set_running_or_notify_cancel()  # never cancelled: see SaveFuture.cancel
+        io.write_atomic(path, encoded, fmt.layout, durable=durable)
+        _deliver_deferred(encoded)
+    except BaseException as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(None)
+    finally:
+        del encoded  # the snapshot goes now, not when the future does
+        with _lock:
+            if _newest.get(future.path) is future:
+                del _newest[future.path]
+            if future._error() is None:
+                _unsettled.discard(future)
+
+
+def save_async(
+    path: PathLike,
+    tree: Any,
+    format: str | Format | None = None,
+    *,
+    meta: Mapping[str, Any] | None = None,
+    durable: bool = True,
+    **options: Any,
+) -> SaveFuture:
+    """:func:`pytreeio.save` whose write and fsyncs run in the background.
+
+    Returns once the tree is encoded and its bytes are copied (jax arrays
+    fetched from their devices, numpy arrays copied): the caller may then
+    modify or delete its arrays.  Errors of the tree itself (``EncodeError``,
+    ``TypeError`` for an unknown option, ``UnknownFormatError``) raise here;
+    errors of the write (``OSError``, a full disk) raise from the returned
+    future's ``result()``.  Saves to the same destination, asynchronous or
+    not, happen in the order they were made.  Same arguments as
+    :func:`pytreeio.save`.
+    """
+    from .api import _encode, _format_for_save
+
+    fmt = _format_for_save(path, format)
+    _start_host_copies(tree)
+    encoded = _snapshot(_encode(fmt, tree, meta, options, path))
+    key = _dest_key(path)
+    future = SaveFuture(key)
+    executor = _get_executor()
+    with _lock:
+        before = _newest.get(key)
+        _newest[key] = future
+        _unsettled.add(future)
+    try:
+        executor.submit(_write, future, before, path, encoded, fmt, durable)
+    except BaseException:  # interpreter shutting down: nothing will run it
+        with _lock:
+            _unsettled.discard(future)
+            if _newest.get(key) is future:
+                if before is not None:
+                    _newest[key] = before
+                else:
+                    del _newest[key]
+        raise
+    return future
+
+
+def _at_exit() -> None:
+    try:
+        wait_saves()
+    except BaseException as exc:  # the program is over: stderr is all that is left
+        print(f"pytreeio: a background save failed: {exc!r}", file=sys.stderr)
+
+
+atexit.register(_at_exit)

@@ -1,0 +1,158 @@
+"""CRC-32 (the ZIP/zlib polynomial) at memory speed: pieces hashed in parallel, then combined.
+
+A ZIP member's CRC-32 is one sequential value over its bytes, yet it can be
+computed in parallel: ``crc(A + B)`` follows from ``crc(A)``, ``crc(B)`` and
+``len(B)`` alone (:func:`combine`).  :func:`crc32_many` splits every buffer
+into pieces of at most :data:`PIECE` bytes, hashes the pieces on a thread pool
+(the hash releases the GIL) and combines them per buffer.
+
+The hash is ISA-L's carry-less-multiply CRC (``isal``, several times faster
+than zlib's table-driven one); where that package cannot be installed, zlib's
+``crc32`` with the combine computed here in GF(2) gives the same values.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .binary import Buffer, as_memoryview
+
+__all__ = ["crc32", "combine", "crc32_many", "PIECE"]
+
+#: Bytes hashed per task: large enough that scheduling costs nothing, small enough to spread.
+PIECE = 4 << 20
+#: Below this many bytes in all, hashing on the calling thread is faster than a hand-off.
+_PARALLEL_MIN = 2 * PIECE
+_MAX_THREADS = 8
+_POLY = 0xEDB88320  # CRC-32 polynomial, reflected
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+@functools.cache
+def _backend() -> tuple[Callable[..., int], Callable[[int, int, int], int]]:
+    """``(crc32, combine)``: ISA-L's when installed, else zlib's hash and :func:`_gf2_combine`."""
+    try:
+        from isal import isal_zlib
+    except ImportError:  # pragma: no cover - isal has wheels wherever pytreeio runs
+        return zlib.crc32, _gf2_combine
+    return isal_zlib.crc32, getattr(isal_zlib, "crc32_combine", _gf2_combine)
+
+
+def crc32(data: Buffer, value: int = 0) -> int:
+    """CRC-32 of ``data`` continuing from ``value`` (as ``zlib.crc32``), on this thread."""
+    return _backend()[0](as_memoryview(data), value)
+
+
+def combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``A + B`` from ``crc1 = crc32(A)``, ``crc2 = crc32(B)`` and ``len2 = len(B)``."""
+    return _backend()[1](crc1, crc2, len2)
+
+
+# --------------------------------------------------------------------------
+# combining in GF(2), for when ISA-L is missing (zlib's crc32_combine is not exposed)
+# --------------------------------------------------------------------------
+
+
+def _times(matrix: Sequence[int], vec: int) -> int:
+    """``matrix`` (32 columns as ints) times the bit vector ``vec``."""
+    out = 0
+    i = 0
+    while vec:
+        if vec & 1:
+            out ^= matrix[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _square(matrix: Sequence[int]) -> list[int]:
+    return [_times(matrix, col) for col in matrix]
+
+
+@functools.cache
+def _zero_operators() -> tuple[tuple[int, ...], ...]:
+    """Operators that append 1, 2, 4, 8 ... zero bytes to a CRC register (squares of each other)."""
+    one_bit = [_POLY] + [1 << i for i in range(31)]  # one zero bit appended
+    op = _square(_square(_square(one_bit)))  # eight zero bits: one byte
+    ops = []
+    for _ in range(64):
+        ops.append(tuple(op))
+        op = _square(op)
+    return tuple(ops)
+
+
+def _gf2_combine(crc1: int, crc2: int, len2: int) -> int:
+    """zlib's ``crc32_combine``: shift ``crc1`` past ``len2`` zero bytes, then add ``crc2``."""
+    if len2 <= 0:
+        return crc1
+    for op in _zero_operators():
+        if not len2:
+            break
+        if len2 & 1:
+            crc1 = _times(op, crc1)
+        len2 >>= 1
+    return crc1 ^ crc2
+
+
+# --------------------------------------------------------------------------
+# many buffers, in parallel
+# --------------------------------------------------------------------------
+
+
+def _get_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            threads = max(1, min(_MAX_THREADS, os.cpu_count() or 1))
+            _pool = ThreadPoolExecutor(threads, thread_name_prefix="pytreeio-crc")
+        return _pool
+
+
+def _forget_pool() -> None:
+    # A forked child has the pool object but none of its threads: make it start a new one.
+    global _pool
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _pieces(chunks: Sequence[Buffer]) -> list[memoryview]:
+    out: list[memoryview] = []
+    for chunk in chunks:
+        view = as_memoryview(chunk)
+        out.extend(view[i : i + PIECE] for i in range(0, len(view), PIECE))
+    return out
+
+
+def crc32_many(buffers: Sequence[Sequence[Buffer]]) -> list[int]:
+    """The CRC-32 of each item of ``buffers``, an item being the concatenation of its chunks.
+
+    Pieces of all items are hashed together on a thread pool, so a few large
+    buffers and many small ones both keep every core busy.
+    """
+    hash_, comb = _backend()
+    items = [_pieces(chunks) for chunks in buffers]
+    total = sum(len(p) for pieces in items for p in pieces)
+    if total < _PARALLEL_MIN:
+        results: list[Any] = [[hash_(p) for p in pieces] for pieces in items]
+    else:
+        pool = _get_pool()
+        futures = [[pool.submit(hash_, p) for p in pieces] for pieces in items]
+        results = [[f.result() for f in fs] for fs in futures]
+    out: list[int] = []
+    for pieces, crcs in zip(items, results):
+        value = 0
+        for piece, c in zip(pieces, crcs):
+            value = comb(value, c, len(piece))
+        out.append(value)
+    return out

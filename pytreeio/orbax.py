@@ -1,0 +1,389 @@
+"""pytreeio formats inside orbax's ``CheckpointManager`` (the ``pytreeio[orbax]`` extra).
+
+Orbax coordinates checkpoints: step numbering, retention (``max_to_keep``,
+keep-best by a metric), background saving and the atomic commit of each
+step directory.  :class:`PytreeioHandler` is an orbax checkpoint handler
+that writes one item of a step in any pytreeio format; the args
+:class:`PytreeioSave` and :class:`PytreeioRestore` select it, so::
+
+    mngr.save(step, args=ocp.args.Composite(state=PytreeioSave(tree, format="msgpack")))
+    mngr.restore(step, args=ocp.args.Composite(state=PytreeioRestore(like=abstract_tree)))
+
+(or the same args without ``Composite`` for a manager of one item).
+
+Inside the item directory orbax gives the handler (a temporary directory
+that orbax renames into place once every item is written) the handler
+writes::
+
+    checkpoint<suffix>   the checkpoint, named after its format's first suffix
+                         (a file, a directory for waffe2/bullet, a sibling
+                         pair for netcl-checkpoint)
+    pytreeio.json        {"version": 1, "format": ..., "layout": "single", "path": ...}
+
+``pytreeio.json`` is the item's metadata: restore reads the format from it,
+and ``CheckpointManager.item_metadata(step)`` returns the checkpoint's
+:class:`pytreeio.Info` (headers only).
+
+Saving is split in two phases, as orbax's own handlers do.  On the caller's
+thread (``mngr.save`` blocks for this): the tree is encoded and every buffer
+the encoding borrows is copied to host memory of its own (jax arrays fetched
+from their devices, all transfers started before the first is waited for),
+so the training loop may donate or overwrite its arrays as soon as ``save``
+returns.  In orbax's background commit thread: the bytes are written with
+pytreeio's atomic, fsync'd writes.  An error of the tree (``EncodeError``, an
+option the format does not take) is raised through orbax's commit, like a
+write error: from ``wait_until_finished()`` (or the next ``save``) with async
+checkpointing, from ``save`` without; the step is not committed.
+
+The metadata's ``layout`` field is where a sharded save will plug in: a
+``"single"`` item is one checkpoint written by the primary process from
+fully addressable arrays; another layout (one file per process, say) gets
+its own value and writer, and restore refuses layouts it does not know.
+Arrays sharded across processes are refused with an ``EncodeError`` until
+then.  Writing needs a local (POSIX) file system, as pytreeio's io does.
+
+This module imports orbax; ``import pytreeio`` does not import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint import future as ocp_future
+
+from . import api, io, registry
+from .binary import as_memoryview
+from .errors import EncodeError, FormatError
+from .jsonsafe import loads as json_loads
+from .registry import Deferred, Encoded, Format, Info
+
+__all__ = [
+    "METADATA_NAME",
+    "PytreeioHandler",
+    "PytreeioRestore",
+    "PytreeioSave",
+    "checkpoint_name",
+]
+
+#: The item metadata file written next to the checkpoint.
+METADATA_NAME = "pytreeio.json"
+_METADATA_VERSION = 1
+#: The one layout written so far (see the module docstring).
+_SINGLE = "single"
+_STEM = "checkpoint"
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+
+
+def checkpoint_name(fmt: str | Format) -> str:
+    """The fixed name of the checkpoint inside an item directory: ``checkpoint`` + first suffix."""
+    f = registry.get(fmt)
+    return _STEM + (f.suffixes[0] if f.suffixes else "")
+
+
+# --------------------------------------------------------------------------
+# args
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class PytreeioSave(ocp.args.CheckpointArgs):
+    """Save ``item`` in a pytreeio format.
+
+    Attributes:
+      item: the tree (any pytree for msgpack/safetensors; for model formats
+        the shapes they accept: a Flax params tree, ``{'params', 'opt_state'}``,
+        a TrainState).
+      format: a registered format name.
+      meta: the format's meta document (see ``pytreeio.save``).
+      durable: fsync the files written (default), as ``pytreeio.save``.
+      options: the format's save options, e.g. ``{"optimizers": True}`` for
+        waffe2; one the format does not take raises ``TypeError``.
+    """
+
+    item: Any
+    format: str = "safetensors"
+    meta: Mapping[str, Any] | None = None
+    durable: bool = True
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class PytreeioRestore(ocp.args.CheckpointArgs):
+    """Restore an item saved with :class:`PytreeioSave`.
+
+    Attributes:
+      like: the structure to restore into (concrete arrays or
+        ``jax.ShapeDtypeStruct`` leaves, e.g. from ``jax.eval_shape``; leaves
+        with a ``sharding`` come back on it).  ``None``: the format's native
+        tree.  Shapes and dtypes must match (``MismatchError``).
+      format: overrides the format recorded in the item's metadata.
+      mmap: map the file instead of reading it (see ``pytreeio.load``).
+      verify: check checksums before returning (see ``pytreeio.load``).
+      options: the format's load options, e.g. ``{"layers": [...]}``.
+    """
+
+    like: Any = None
+    format: str | None = None
+    mmap: bool = False
+    verify: bool = False
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------
+# the blocking phase: encode and take a snapshot of the bytes
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A save whose bytes are ready and owned: all that is left is writing them."""
+
+    fmt: Format
+    name: str
+    encoded: Encoded
+    durable: bool
+
+
+def _host_ready(tree: Any) -> None:
+    """Refuse arrays this layout cannot write; start every device-to-host copy at once."""
+    import jax
+
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    for path, leaf in leaves:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            raise EncodeError(
+                "the array is sharded across processes; the pytreeio orbax handler writes "
+                "fully addressable arrays only (one file from the primary process)",
+                key_path=jax.tree_util.keystr(path),
+            )
+    for _, leaf in leaves:
+        if isinstance(leaf, jax.Array) and not jax.dtypes.issubdtype(
+            leaf.dtype, jax.dtypes.prng_key
+        ):
+            # a deleted or donated array: encoding reports it with its key path
+            with contextlib.suppress(Exception):
+                leaf.copy_to_host_async()
+
+
+def _owned(encoded: Encoded) -> Encoded:
+    """``encoded`` with every borrowed buffer (the caller's arrays, host views) copied.
+
+    ``bytes`` chunks are immutable and kept; the rest are copied into one
+    allocation per file.  :class:`~pytreeio.registry.Deferred` chunks (the
+    shards of an array spread over several devices) are produced now, in
+    file order, since they read the caller's arrays; ``late`` ones (a header
+    recording checksums of the data before it) stay deferred and are
+    produced by the write, after the rest, as always.
+    """
+    if encoded.files is not None:
+        files = {k: _owned(v) for k, v in encoded.files.items()}
+        return Encoded(files=files, deferred=encoded.deferred, strict=encoded.strict)
+    parts: list[Any] = []
+    for chunk in encoded.chunks:
+        if isinstance(chunk, Deferred) and not chunk.late:
+            data = chunk.produce()
+            if len(as_memoryview(data)) != chunk.nbytes:
+                raise EncodeError(
+                    f"a deferred chunk produced {len(as_memoryview(data))} bytes where "
+                    f"{chunk.nbytes} were declared"
+                )
+            chunk = data
+        parts.append(chunk)
+    views = [
+        None if type(c) is bytes or isinstance(c, Deferred) else as_memoryview(c) for c in parts
+    ]
+    store = np.empty(sum(len(v) for v in views if v is not None), dtype=np.uint8)
+    chunks: list[Any] = []
+    pos = 0
+    for chunk, view in zip(parts, views):
+        if view is None:
+            chunks.append(chunk)
+            continue
+        store[pos : pos + len(view)] = np.frombuffer(view, dtype=np.uint8)
+        chunks.append(store.data[pos : pos + len(view)])
+        pos += len(view)
+    return Encoded(chunks=tuple(chunks), deferred=encoded.deferred, strict=encoded.strict)
+
+
+def _prepare(args: PytreeioSave) -> _Pending:
+    if not isinstance(args, PytreeioSave):
+        raise TypeError(
+            f"the pytreeio handler saves PytreeioSave args, not {type(args).__name__} "
+            "(pass them as args=PytreeioSave(...))"
+        )
+    fmt = registry.get(args.format)
+    name = checkpoint_name(fmt)
+    _host_ready(args.item)
+    # The destination recorded by formats that keep one (cl-waffe2) is the
+    # item-relative name: the temporary directory orbax writes into is renamed.
+    encoded = api._encode(fmt, args.item, args.meta, dict(args.options), name)
+    return _Pending(fmt, name, _owned(encoded), args.durable)
+
+
+# --------------------------------------------------------------------------
+# the background phase: write
+# --------------------------------------------------------------------------
+
+
+def _write(directory: Path, pending: _Pending) -> None:
+    io.write_atomic(
+        directory / pending.name, pending.encoded, pending.fmt.layout, durable=pending.durable
+    )
+    record = {
+        "version": _METADATA_VERSION,
+        "format": pending.fmt.name,
+        "layout": _SINGLE,
+        "path": pending.name,
+    }
+    # Written last: an item with a record has its checkpoint complete.
+    doc = json.dumps(record, indent=1).encode()
+    io.write_file_atomic(directory / METADATA_NAME, Encoded(chunks=(doc,)), durable=pending.durable)
+    api._deliver_deferred(pending.encoded)
+
+
+# --------------------------------------------------------------------------
+# reading the record
+# --------------------------------------------------------------------------
+
+
+def _read_record(directory: Path) -> dict[str, Any] | None:
+    """The item's ``pytreeio.json``, checked; ``None`` when there is none."""
+    path = directory / METADATA_NAME
+    try:
+        data = io.read_head(path, 1 << 16)
+    except FileNotFoundError:
+        return None
+    where = os.fspath(path)
+    if len(data) > 1 << 16:
+        raise FormatError("the item record is larger than 64 KiB", path=where, offset=1 << 16)
+    doc = json_loads(data, path=where)
+    if not isinstance(doc, dict):
+        raise FormatError("the item record is not a JSON object", path=where, offset=0)
+    for key in ("version", "format", "layout", "path"):
+        if key not in doc:
+            raise FormatError(f"the item record has no {key!r}", path=where, field=key)
+    if doc["version"] != _METADATA_VERSION:
+        raise FormatError(
+            f"item record version {doc['version']!r}; this pytreeio reads version "
+            f"{_METADATA_VERSION}",
+            path=where,
+            field="version",
+        )
+    if doc["layout"] != _SINGLE:
+        raise FormatError(
+            f"item layout {doc['layout']!r} is not one this pytreeio reads ({_SINGLE!r})",
+            path=where,
+            field="layout",
+        )
+    name = doc["path"]
+    # a plain name inside the item directory: a record never points elsewhere
+    if not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name) or ".." in name:
+        raise FormatError(
+            f"the item record names {name!r}, not a plain file name", path=where, field="path"
+        )
+    if not isinstance(doc["format"], str):
+        raise FormatError("the item record's format is not a string", path=where, field="format")
+    return doc
+
+
+def _locate(directory: Path, format: str | None) -> tuple[Path, str]:
+    """The checkpoint path in an item directory and its format name."""
+    record = _read_record(directory)
+    if record is None:
+        if format is None:
+            raise FileNotFoundError(
+                errno.ENOENT,
+                "no pytreeio item record (not saved by the pytreeio handler?); "
+                "pass PytreeioRestore(format=...)",
+                os.fspath(directory / METADATA_NAME),
+            )
+        return directory / checkpoint_name(format), format
+    return directory / record["path"], format if format is not None else record["format"]
+
+
+# --------------------------------------------------------------------------
+# the handler
+# --------------------------------------------------------------------------
+
+
+class PytreeioHandler(ocp.AsyncCheckpointHandler):
+    """An orbax checkpoint handler that saves and restores one item in a pytreeio format.
+
+    ``primary_host``: the process that writes (the others encode nothing and
+    write nothing; arrays must be fully addressable, i.e. replicated, there).
+    """
+
+    def __init__(self, *, primary_host: int = 0) -> None:
+        self._primary_host = primary_host
+
+    def _is_writer(self) -> bool:
+        import jax
+
+        return jax.process_index() == self._primary_host
+
+    async def async_save(
+        self, directory: Any, args: PytreeioSave
+    ) -> list[ocp_future.Future] | None:
+        """Encode and snapshot now; write (or raise the encoding's error) in orbax's commit."""
+        if not self._is_writer():
+            return None
+        target = Path(directory)
+        try:
+            pending = _prepare(args)
+        except Exception as exc:
+            # Raised from the commit instead: orbax has begun this step (its
+            # directory creation waits on signals) and an exception here would
+            # leave that half-started; from the commit orbax abandons the step
+            # and raises the error from ``wait_until_finished`` (or ``save``, sync).
+            failure = exc
+
+            async def fail() -> None:
+                raise failure
+
+            return [ocp_future.CommitFutureAwaitingContractedSignals(fail(), name="pytreeio_save")]
+
+        async def commit() -> None:
+            _write(target, pending)
+
+        # The future waits for orbax's signals (the step directory may be
+        # created in the background) before the write starts.
+        return [ocp_future.CommitFutureAwaitingContractedSignals(commit(), name="pytreeio_save")]
+
+    def save(self, directory: Any, args: PytreeioSave) -> None:
+        """Save synchronously (orbax's sync ``Checkpointer``: the directory exists already)."""
+        if self._is_writer():
+            _write(Path(directory), _prepare(args))
+
+    def restore(self, directory: Any, args: PytreeioRestore | None = None) -> Any:
+        """The item in ``args.like``'s structure, or the format's native tree without one."""
+        args = args if args is not None else PytreeioRestore()
+        if not isinstance(args, PytreeioRestore):
+            raise TypeError(
+                f"the pytreeio handler restores PytreeioRestore args, not {type(args).__name__}"
+            )
+        path, fmt = _locate(Path(directory), args.format)
+        return api.load(
+            path, args.like, format=fmt, mmap=args.mmap, verify=args.verify, **args.options
+        )
+
+    def metadata(self, directory: Any) -> Info:
+        """The checkpoint's :class:`pytreeio.Info` (format, entries, meta): headers only."""
+        path, fmt = _locate(Path(directory), None)
+        return api.inspect(path, format=fmt)
+
+    def finalize(self, directory: Any) -> None:
+        """Nothing to do: each file was written atomically and fsync'd by its writer."""
+
+
+ocp.args.register_with_handler(PytreeioHandler, for_save=True)(PytreeioSave)
+ocp.args.register_with_handler(PytreeioHandler, for_restore=True)(PytreeioRestore)

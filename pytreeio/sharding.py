@@ -1,0 +1,848 @@
+"""Sharded ``jax.Array``\\ s: saved shard by shard, loaded device by device, written by many processes.
+
+**Saving.**  A ``jax.Array`` leaf partitioned over several devices is never
+gathered (no ``np.asarray`` of the global array, no device-side gather): the
+safetensors and msgpack encoders take it as a :class:`ShardedLeaf`, a
+:class:`~pytreeio.registry.Streamed` leaf whose bytes come from its shards,
+and emit :class:`ShardChunk`\\ s, :class:`~pytreeio.registry.Deferred` chunks
+that io produces one at a time.  The array is cut into *bands* of rows
+(along axis 0) at the shards' boundaries and at most :data:`BAND_BYTES` each:
+a band that lies inside one shard (sharding along the leading axis) is that
+shard's own host buffer, written as it is; other bands are assembled from the
+shards they cross in a buffer of the band's size.  Replicated shards are
+written once (replica 0).  Every shard of an array is copied to host
+(``copy_to_host_async`` for all, then each waited for) when its first band is
+written and released after its last, so host memory peaks at about one array.
+
+**Loading.**  ``pytreeio.load(path, like=...)`` with ``like`` leaves that carry
+a sharding over several devices (``jax.ShapeDtypeStruct(shape, dtype,
+sharding=...)`` or jax arrays) reads each distinct device slice straight from
+the file with the format's ``slots`` (:func:`read_region`): a C-order slice is
+a set of contiguous byte runs, each ``pread`` into the host buffer that goes
+to the device; runs shorter than a page are read in windows (the kernel reads
+whole pages anyway).  Replicas of a slice are read once.  The array is built
+with ``jax.make_array_from_single_device_arrays``; in a multi-process job each
+process reads only the slices of its own devices.
+
+**Several processes** (:func:`save_in_parts`).  Every process encodes the tree
+with its sharded leaves as placeholders, which fixes the whole file's layout
+from the global shapes alone; the processes check that their layouts agree.
+The primary process (index 0) then creates the temporary file at its full
+size under the destination's lock (:func:`pytreeio.io.file_in_parts`); each
+process ``pwrite``\\ s the byte ranges of the shards it holds (replica 0 only)
+and the primary everything else; after a barrier the primary reads back the
+sharded data to finish checksums recorded in a header (safetensors), writes
+that header, fsyncs and renames the file over the destination: readers see
+the old or the new checkpoint, never a mix.  Formats whose files cannot be
+written in parts are written by the primary alone when every array is fully
+held there, and refused otherwise.  The processes talk through a
+:class:`Coordinator` (``exchange``: every process's message to every
+process); :class:`JaxCoordinator` uses ``jax.distributed``, tests pass
+threads (:func:`thread_group`).
+
+jax is imported only by the functions that need it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import itertools
+import math
+import os
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
+from typing import Any, Protocol
+
+import numpy as np
+
+from .errors import EncodeError, FormatError, MismatchError, PytreeioError
+from .registry import Deferred, Encoded, Slot, Streamed
+
+__all__ = [
+    "BAND_BYTES",
+    "Coordinator",
+    "JaxCoordinator",
+    "PartsError",
+    "ShardChunk",
+    "ShardedLeaf",
+    "c_runs",
+    "is_sharded",
+    "load_sliced",
+    "place",
+    "read_region",
+    "region_of",
+    "save_in_parts",
+    "sharded_leaf",
+    "thread_group",
+    "wants_slices",
+]
+
+#: The most bytes one band of a sharded array takes on the host while it is written.
+BAND_BYTES = 64 << 20
+#: Runs shorter than this are read in windows rather than one ``pread`` each.
+_PAGE = 4096
+_WINDOW = 4 << 20
+#: The longest message a coordinator passes (a temporary file's path, a digest, an error).
+MAX_MESSAGE = 8192
+
+#: Set while :func:`save_in_parts` encodes: arrays whose shards lie partly in other
+#: processes are then placeholders for this process's byte ranges.  The value is the
+#: set of devices whose shards this process writes (:data:`_ADDRESSABLE`: all it can address).
+_IN_PARTS: ContextVar[Any] = ContextVar("pytreeio_in_parts", default=None)
+_ADDRESSABLE = "addressable"
+
+Region = tuple[tuple[int, int], ...]
+
+
+class PartsError(PytreeioError):
+    """A save in parts failed in some process; every process raises it, naming which and why.
+
+    Attributes:
+      path: the destination.
+    """
+
+    def __init__(self, reason: str, *, path: str | None = None) -> None:
+        self.reason = reason
+        self.path = path
+        super().__init__(reason)
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}" if self.path else self.reason
+
+
+# --------------------------------------------------------------------------
+# geometry: slices of a C-order array
+# --------------------------------------------------------------------------
+
+
+def region_of(index: Sequence[slice], shape: Sequence[int]) -> Region:
+    """``((start, stop), ...)`` per axis of a shard's index (jax's tuple of slices)."""
+    out: list[tuple[int, int]] = []
+    for axis, n in enumerate(shape):
+        s = index[axis] if axis < len(index) else slice(None)
+        start, stop, step = s.indices(int(n))
+        if step != 1:
+            raise ValueError(f"a shard index with step {step} is not a block")
+        out.append((start, max(start, stop)))
+    return tuple(out)
+
+
+def region_size(region: Region) -> int:
+    return math.prod(b - a for a, b in region)
+
+
+def c_runs(shape: Sequence[int], itemsize: int, region: Region) -> tuple[np.ndarray, int]:
+    """Where ``region`` lies in the C-order bytes of an array of ``shape``.
+
+    Returns ``(offsets, run)``: the byte offset of each contiguous run in the
+    array (in C order of the region, so run ``j`` is bytes ``[j * run, (j+1) *
+    run)`` of the region's own C-order buffer) and the runs' common length.
+    """
+    if region_size(region) == 0:
+        return np.zeros(0, dtype=np.int64), 0
+    # k: the last axis the region does not span fully; the axes after it are whole
+    k = len(shape) - 1
+    while k >= 0 and region[k] == (0, shape[k]):
+        k -= 1
+    if k < 0:
+        return np.zeros(1, dtype=np.int64), math.prod(shape) * itemsize
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    run = (region[k][1] - region[k][0]) * strides[k] * itemsize
+    offsets = np.array([region[k][0] * strides[k]], dtype=np.int64)
+    for axis in range(k - 1, -1, -1):  # outer axes, innermost first
+        a, b = region[axis]
+        offsets = (np.arange(a, b, dtype=np.int64)[:, None] * strides[axis] + offsets).reshape(-1)
+    return offsets * itemsize, run
+
+
+# --------------------------------------------------------------------------
+# saving: sharded leaves
+# --------------------------------------------------------------------------
+
+
+def is_sharded(x: Any) -> bool:
+    """A ``jax.Array`` split over devices (not one whole copy per device): saved by shards."""
+    jax = sys.modules.get("jax")
+    if jax is None or not isinstance(x, jax.Array):
+        return False
+    try:
+        return not x.sharding.is_fully_replicated or not x.is_fully_addressable
+    except Exception:  # tracers, deleted arrays: the ordinary path reports them
+        return False
+
+
+def sharded_leaf(x: Any, key: str) -> ShardedLeaf | None:
+    """The :class:`ShardedLeaf` an encoder writes for ``x``, or None for other leaves."""
+    if not is_sharded(x):
+        return None
+    from . import keys
+
+    if keys.is_key_dtype(x.dtype):
+        return None  # typed PRNG keys go through their key data (a small array)
+    return ShardedLeaf(x, key)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardChunk(Deferred):
+    """A :class:`Deferred` holding bytes ``[start, stop)`` of a sharded leaf's C-order data.
+
+    ``seen`` is called with the bytes when they are produced (checksums); a
+    save in parts calls it with the bytes read back from the file instead.
+    """
+
+    leaf: Any = None
+    start: int = 0
+    stop: int = 0
+    seen: Callable[[np.ndarray], None] | None = None
+
+
+class ShardedLeaf(Streamed):
+    """A sharded ``jax.Array`` as an encoder sees it: shape, dtype, nbytes and chunks of its bytes."""
+
+    __slots__ = ("_array", "_blocks", "_host", "_key", "_left", "_pieces", "_rows")
+
+    def __init__(self, array: Any, key: str = "") -> None:
+        dtype = np.dtype(array.dtype)
+        self.slot = None  # type: ignore[assignment]  # read from shards, not from a file
+        self.source = None
+        self.shape = tuple(int(d) for d in array.shape)
+        self.dtype = dtype if dtype.isnative else dtype.newbyteorder("=")
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        self._array = array
+        self._key = key
+        self._host: list[tuple[Region, np.ndarray]] | None = None
+        self._left = 0
+        seen: set[Region] = set()
+        pieces: list[tuple[Region, Any]] = []
+        mine = _IN_PARTS.get()
+        for shard in array.addressable_shards:
+            if mine is not None and (
+                shard.replica_id != 0 or (mine != _ADDRESSABLE and shard.device not in mine)
+            ):
+                continue  # in parts, each block is written by the holder of its replica 0
+            region = region_of(shard.index, self.shape)
+            if region not in seen:
+                seen.add(region)
+                pieces.append((region, shard))
+        if mine is None and sum(region_size(r) for r, _ in pieces) != math.prod(self.shape):
+            raise EncodeError(
+                "the array's shards lie partly in other processes: save it from every process "
+                "with pytreeio.sharding.save_in_parts",
+                key_path=key,
+            )
+        self._pieces = pieces
+        self._blocks = {
+            region_of(index, self.shape)
+            for index in array.sharding.devices_indices_map(self.shape).values()
+        }
+        rows = self.shape[0] if self.shape else 1
+        self._rows = rows
+
+    # -- what this process holds ------------------------------------------
+    def local_pieces(self) -> list[tuple[Region, Any]]:
+        """``(region, shard)`` of each block this process writes (replica 0 in a save in parts)."""
+        return list(self._pieces)
+
+    def _host_pieces(self) -> list[tuple[Region, np.ndarray]]:
+        if self._host is None:
+            for _, shard in self._pieces:  # every transfer started before the first is awaited
+                shard.data.copy_to_host_async()
+            self._host = [(r, _host_array(s.data)) for r, s in self._pieces]
+        return self._host
+
+    # -- bands of rows -----------------------------------------------------
+    def _row_bytes(self) -> int:
+        return self.nbytes // self._rows if self._rows else 0
+
+    def bands(self) -> list[tuple[int, int]]:
+        """Row ranges ``[r0, r1)`` along axis 0: cut at shard boundaries, each at most BAND_BYTES."""
+        rows = self._rows
+        if not self.shape:
+            return [(0, 1)]
+        cuts = {0, rows}
+        for region in self._blocks:  # every process's blocks: all cut the same bands
+            cuts.update(region[0])
+        per = max(1, BAND_BYTES // self._row_bytes()) if self._row_bytes() else max(rows, 1)
+        edges = sorted(c for c in cuts if 0 <= c <= rows)
+        return [
+            (s, min(b, s + per)) for a, b in itertools.pairwise(edges) for s in range(a, b, per)
+        ]
+
+    def band(self, r0: int, r1: int) -> np.ndarray:
+        """Rows ``[r0, r1)`` as a C-contiguous array: a shard's own buffer when one holds them all."""
+        host = self._host_pieces()
+        if not self.shape:
+            return np.ascontiguousarray(host[0][1])
+        whole_rest = tuple((0, n) for n in self.shape[1:])
+        for region, arr in host:
+            (a, b), rest = region[0], region[1:]
+            if a <= r0 and r1 <= b and rest == whole_rest:
+                return np.ascontiguousarray(arr[r0 - a : r1 - a])
+        out = np.empty((r1 - r0, *self.shape[1:]), dtype=self.dtype)
+        for region, arr in host:
+            (a, b), rest = region[0], region[1:]
+            lo, hi = max(r0, a), min(r1, b)
+            if lo < hi:
+                dst = (slice(lo - r0, hi - r0), *(slice(s, e) for s, e in rest))
+                out[dst] = arr[lo - a : hi - a]
+        return out
+
+    def chunks(
+        self,
+        seen: Callable[[np.ndarray], None] | None = None,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> tuple[Deferred, ...]:
+        """Bytes ``[start, stop)`` of the C-order data as :class:`ShardChunk`\\ s, in order."""
+        stop = self.nbytes if stop is None else stop
+        row = self._row_bytes() if self.shape else self.nbytes
+        out: list[Deferred] = []
+        for r0, r1 in self.bands():
+            b0, b1 = r0 * row, r1 * row
+            lo, hi = max(b0, start), min(b1, stop)
+            if lo < hi:
+                produce = _BandProducer(self, r0, r1, lo - b0, hi - b0, seen)
+                out.append(ShardChunk(hi - lo, produce, leaf=self, start=lo, stop=hi, seen=seen))
+        if not out:  # no bytes: still one chunk, so that checksums see the (empty) data
+            produce = _BandProducer(self, 0, 0, 0, 0, seen)
+            out.append(ShardChunk(0, produce, leaf=self, start=start, stop=start, seen=seen))
+        self._left += len(out)
+        return tuple(out)
+
+    def _produced(self) -> None:
+        self._left -= 1
+        if self._left <= 0:
+            self._host = None  # the last band is out: let the host copies go
+
+    # -- Streamed -----------------------------------------------------------
+    def read(self) -> Any:
+        """The whole array on the host, assembled from the shards (for encoders that need it)."""
+        out = np.empty(self.shape, dtype=self.dtype)
+        for region, arr in self._host_pieces():
+            out[tuple(slice(a, b) for a, b in region)] = arr
+        self._host = None
+        return out
+
+    def chunk(self, seen: Callable[[Any], None] | None = None) -> Deferred:
+        """The data as one chunk (the whole array assembled when written)."""
+
+        def produce() -> Any:
+            arr = self.read()
+            if seen is not None:
+                seen(arr)
+            return arr.reshape(-1).view(np.uint8).data if arr.size else b""
+
+        return Deferred(self.nbytes, produce)
+
+    def __repr__(self) -> str:
+        return f"ShardedLeaf({self._key!r}, {self.shape}, {self.dtype}, {len(self._pieces)} blocks)"
+
+
+class _BandProducer:
+    """``produce`` of a :class:`ShardChunk`: bytes ``[lo, hi)`` of rows ``[r0, r1)``."""
+
+    __slots__ = ("hi", "leaf", "lo", "r0", "r1", "seen")
+
+    def __init__(
+        self,
+        leaf: ShardedLeaf,
+        r0: int,
+        r1: int,
+        lo: int,
+        hi: int,
+        seen: Callable[[np.ndarray], None] | None,
+    ) -> None:
+        self.leaf, self.r0, self.r1, self.lo, self.hi, self.seen = leaf, r0, r1, lo, hi, seen
+
+    def __call__(self) -> Any:
+        try:
+            if self.hi == self.lo:
+                data = np.zeros(0, dtype=np.uint8)
+            else:
+                band = self.leaf.band(self.r0, self.r1)
+                data = band.reshape(-1).view(np.uint8)[self.lo : self.hi]
+            if self.seen is not None:
+                self.seen(data)
+            return data.data
+        finally:
+            self.leaf._produced()
+
+
+def _host_array(data: Any) -> np.ndarray:
+    """A single-device array's host copy, C-contiguous in native byte order."""
+    arr = np.asarray(data)
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+
+
+# --------------------------------------------------------------------------
+# loading: each device's slice
+# --------------------------------------------------------------------------
+
+
+def _spans_devices(leaf: Any) -> bool:
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None or not hasattr(sharding, "addressable_devices_indices_map"):
+        return False
+    try:
+        return len(sharding.device_set) > 1
+    except Exception:
+        return False
+
+
+def wants_slices(like: Any) -> bool:
+    """Whether ``like`` has a leaf with a sharding over several devices (read slice by slice)."""
+    jax = sys.modules.get("jax")
+    if jax is None or like is None:
+        return False
+    try:
+        leaves = jax.tree_util.tree_leaves(like)
+    except Exception:
+        return False
+    return any(_spans_devices(leaf) for leaf in leaves)
+
+
+def read_region(slot: Slot, source: Any, region: Region) -> np.ndarray | None:
+    """The block ``region`` of a slot's array, reading only its bytes; None when the slot is
+    not one plain stored range (a chunked, quantised or converted entry)."""
+    from .binary import check_shape
+
+    if (
+        slot.reader is not None
+        or slot.convert is not None
+        or slot.fortran
+        or (slot.stored is not None and tuple(slot.stored) != tuple(slot.shape))
+    ):
+        return None
+    src = slot.source_of(source)
+    dtype = np.dtype(slot.dtype)
+    shape = tuple(slot.shape)
+    count = check_shape(shape, dtype.itemsize, path=src.name, field=slot.key)
+    if count * dtype.itemsize != slot.nbytes:
+        raise FormatError(
+            f"{slot.nbytes} stored bytes, shape {shape} of {dtype.name} needs "
+            f"{count * dtype.itemsize}",
+            path=src.name,
+            field=slot.key,
+            offset=slot.offset,
+        )
+    out = np.empty(tuple(b - a for a, b in region), dtype=dtype)
+    flat = out.reshape(-1).view(np.uint8)
+    offsets, run = c_runs(shape, dtype.itemsize, region)
+    if run >= _PAGE or len(offsets) <= 1:
+        for j, off in enumerate(offsets.tolist()):
+            _read_into(src, slot.offset + off, flat[j * run : (j + 1) * run], slot.key)
+    else:
+        _read_small_runs(src, slot, offsets, run, flat)
+    if not dtype.isnative:
+        out = out.astype(dtype.newbyteorder("="))
+    return out
+
+
+def _read_small_runs(src: Any, slot: Slot, offsets: np.ndarray, run: int, flat: np.ndarray) -> None:
+    """Runs shorter than a page: read spans of up to _WINDOW bytes, copy the runs out."""
+    offs = offsets.tolist()
+    j = 0
+    while j < len(offs):
+        first = offs[j]
+        k = j + 1
+        while k < len(offs) and offs[k] + run - first <= _WINDOW:
+            k += 1
+        span = offs[k - 1] + run - first
+        window = np.frombuffer(src.read(slot.offset + first, span, slot.key), dtype=np.uint8)
+        for i in range(j, k):
+            at = offs[i] - first
+            flat[i * run : (i + 1) * run] = window[at : at + run]
+        j = k
+
+
+def _read_into(src: Any, offset: int, out: np.ndarray, field: str) -> None:
+    fill = getattr(src, "read_into", None)
+    if fill is not None:
+        fill(offset, out.data, field)
+    else:
+        out[:] = np.frombuffer(src.read(offset, len(out), field), dtype=np.uint8)
+
+
+def load_sliced(path: str | os.PathLike[str], like: Any, *, format: Any, options: Any) -> Any:
+    """``load(path, like)`` for a ``like`` with sharded leaves: each device's slice read on its
+    own through the format's slots; None when the format has none (or ``like`` is model-shaped)."""
+    from . import api
+    from .lazy import Checkpoint
+
+    fmt = api._format_for_load(path, format)
+    if fmt.slots is None:
+        return None
+    with Checkpoint(path, fmt, options) as ck:
+        if ck._needs_model(like):
+            return None
+        return ck.load(like, partial=False)
+
+
+def place(leaf: Any, like: Any, key: str) -> Any:
+    """A lazy leaf (:class:`pytreeio.tree.LazyLeaf`) as a jax array on ``like``'s sharding,
+    each distinct device slice read on its own; None when the leaf cannot be read in parts."""
+    from .tree import describe_leaf
+
+    shape = tuple(int(d) for d in like.shape)
+    if np.dtype(leaf.dtype).newbyteorder("=") != np.dtype(like.dtype):
+        # the ordinary path decides: a stored Python scalar (a step counter) may still fit
+        # the template exactly; an array of another dtype is a MismatchError there
+        return None
+    if tuple(leaf.shape) != shape:
+        raise MismatchError(
+            "shape or dtype differs",
+            key_path=key,
+            expected=describe_leaf(like),
+            found=describe_leaf(leaf),
+        )
+    read = getattr(leaf, "read_region", None)
+    if read is None:
+        return None
+    import jax
+
+    sharding = like.sharding
+    blocks: dict[Region, Any] = {}
+    arrays = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        region = region_of(index, shape)
+        block = blocks.get(region)
+        if block is None:
+            block = read(region)
+            if block is None:
+                return None
+            blocks[region] = block
+        arrays.append(jax.device_put(block, device))
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+# --------------------------------------------------------------------------
+# several processes
+# --------------------------------------------------------------------------
+
+
+class Coordinator(Protocol):
+    """How the processes of one save talk: ``exchange`` is a barrier that also carries a message.
+
+    ``exchange(tag, message)`` returns every process's message, by process
+    index, once every process has called it with the same ``tag``.  A
+    coordinator may also have ``devices``: the devices whose shards its
+    process writes (by default every device it can address; threads standing
+    for processes in one process name theirs).
+    """
+
+    process_index: int
+    process_count: int
+
+    def exchange(self, tag: str, message: str) -> list[str]: ...
+
+
+class JaxCoordinator:
+    """A :class:`Coordinator` over ``jax.distributed`` (messages go through a small all-gather)."""
+
+    def __init__(self) -> None:
+        import jax
+
+        self.process_index = jax.process_index()
+        self.process_count = jax.process_count()
+
+    def exchange(self, tag: str, message: str) -> list[str]:
+        from jax.experimental import multihost_utils
+
+        data = message.encode("utf-8", "surrogateescape")[:MAX_MESSAGE]
+        buf = np.zeros(MAX_MESSAGE + 4, dtype=np.uint8)
+        buf[:4] = np.frombuffer(len(data).to_bytes(4, "little"), dtype=np.uint8)
+        buf[4 : 4 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(self.process_count, -1)
+        out = []
+        for row in rows:
+            n = int.from_bytes(bytes(row[:4]), "little")
+            out.append(bytes(row[4 : 4 + n]).decode("utf-8", "surrogateescape"))
+        return out
+
+
+class _Alone:
+    """The coordinator of a single process."""
+
+    process_index = 0
+    process_count = 1
+
+    def exchange(self, tag: str, message: str) -> list[str]:
+        return [message]
+
+
+class _ThreadCoordinator:
+    """One of :func:`thread_group`'s coordinators."""
+
+    def __init__(
+        self, index: int, count: int, shared: dict[str, Any], timeout: float, devices: Any
+    ) -> None:
+        self.process_index = index
+        self.process_count = count
+        self.devices = devices
+        self._shared = shared
+        self._timeout = timeout
+
+    def exchange(self, tag: str, message: str) -> list[str]:
+        shared = self._shared
+        with shared["lock"]:
+            box = shared["boxes"].setdefault(tag, {})
+            box[self.process_index] = message
+        shared["barrier"].wait(self._timeout)
+        out = [box[i] for i in range(self.process_count)]
+        shared["barrier"].wait(self._timeout)  # nobody reuses the tag before all have read
+        return out
+
+
+def thread_group(
+    count: int, devices: Sequence[Any] | None = None, timeout: float = 60.0
+) -> list[Coordinator]:
+    """``count`` coordinators for threads that stand for processes of one job.
+
+    ``devices[i]``: the devices "process" ``i`` holds (each writes the shards
+    of its own); by default each writes every addressable shard.
+    """
+    shared: dict[str, Any] = {
+        "lock": threading.Lock(),
+        "boxes": {},
+        "barrier": threading.Barrier(count),
+    }
+    return [
+        _ThreadCoordinator(i, count, shared, timeout, None if devices is None else devices[i])
+        for i in range(count)
+    ]
+
+
+def default_coordinator() -> Coordinator:
+    """:class:`JaxCoordinator` in a multi-process jax job, else a single process's."""
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.process_count() > 1:
+        return JaxCoordinator()
+    return _Alone()
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Where an encoding's chunks lie in the file."""
+
+    size: int
+    plain: list[tuple[int, Any]]  # written by the primary
+    parts: list[tuple[int, ShardChunk]]  # sharded bytes: written by the processes holding them
+    late: list[tuple[int, Deferred]]  # headers written last (checksums of the data)
+
+    def digest(self) -> str:
+        """What every process must agree on: the size and where each sharded leaf's bytes go."""
+        h = hashlib.sha256(str(self.size).encode())
+        for off, c in self.parts:
+            leaf = c.leaf
+            h.update(f"{off}:{leaf.shape}:{leaf.dtype.str}:{c.start}:{c.stop};".encode())
+        for off, d in self.late:
+            h.update(f"late {off}:{d.nbytes};".encode())
+        return h.hexdigest()
+
+
+def _plan(encoded: Encoded) -> _Plan:
+    from .registry import chunk_nbytes
+
+    plain, parts, late = [], [], []
+    at = 0
+    for c in encoded.chunks:
+        if isinstance(c, ShardChunk):
+            parts.append((at, c))
+        elif isinstance(c, Deferred) and c.late:
+            late.append((at, c))
+        else:
+            plain.append((at, c))
+        at += chunk_nbytes(c)
+    return _Plan(at, plain, parts, late)
+
+
+def _agree(
+    coord: Coordinator, tag: str, error: BaseException | None, path: str, payload: str = ""
+) -> list[str]:
+    """A barrier at which every process learns whether any failed (then all raise).
+
+    Returns every process's ``payload`` (sent only by processes that did not fail).
+    """
+    mine = f"ok {payload}" if error is None else f"error {type(error).__name__}: {error}"
+    said = coord.exchange(tag, mine)
+    failed = [(i, m) for i, m in enumerate(said) if not m.startswith("ok ")]
+    if failed:
+        if error is not None and not isinstance(error, Exception):
+            raise error  # KeyboardInterrupt and the like, after telling the others
+        why = "; ".join(f"process {i}: {m.removeprefix('error ')}" for i, m in failed)
+        raise PartsError(f"a save in parts failed ({tag}): {why}", path=path) from error
+    return [m[3:] for m in said]
+
+
+def _write_own_shards(out: Any, plan: _Plan) -> int:
+    """Write the blocks this process holds into their byte ranges; returns bytes written."""
+    segments: dict[int, list[tuple[int, int, int]]] = {}  # leaf -> (start, stop, file offset)
+    leaves: dict[int, ShardedLeaf] = {}
+    for off, c in plan.parts:
+        segments.setdefault(id(c.leaf), []).append((c.start, c.stop, off))
+        leaves[id(c.leaf)] = c.leaf
+    order = list(leaves)
+    written = 0
+
+    def start_copies(i: int) -> None:
+        if i < len(order):
+            for _, shard in leaves[order[i]].local_pieces():
+                shard.data.copy_to_host_async()
+
+    start_copies(0)
+    for i, lid in enumerate(order):
+        start_copies(i + 1)  # the next leaf's transfers overlap this leaf's writes
+        leaf, segs = leaves[lid], segments[lid]
+        for region, shard in leaf.local_pieces():
+            host = _host_array(shard.data).reshape(-1).view(np.uint8)
+            offsets, run = c_runs(leaf.shape, leaf.dtype.itemsize, region)
+            for j, off in enumerate(offsets.tolist()):
+                for s0, s1, file_off in segs:
+                    lo, hi = max(off, s0), min(off + run, s1)
+                    if lo < hi:
+                        src = host[j * run + (lo - off) : j * run + (hi - off)]
+                        out.write_at(file_off + (lo - s0), src.data)
+                        written += hi - lo
+            del host
+    return written
+
+
+def _write_plain(out: Any, plan: _Plan) -> None:
+    for off, c in plan.plain:
+        data = c.produce() if isinstance(c, Deferred) else c
+        out.write_at(off, data)
+
+
+def _finish_late(out: Any, plan: _Plan) -> None:
+    """Read the sharded bytes back for the headers' checksums, then write the headers."""
+    from .binary import as_memoryview
+
+    if not plan.late:
+        return
+    for off, c in plan.parts:
+        if c.seen is not None:
+            c.seen(np.frombuffer(out.read_at(off, c.nbytes), dtype=np.uint8))
+    for off, d in plan.late:
+        data = d.produce()
+        n = len(as_memoryview(data))
+        if n != d.nbytes:
+            raise EncodeError(f"a header produced {n} bytes where {d.nbytes} were declared")
+        out.write_at(off, data)
+
+
+def save_in_parts(
+    path: str | os.PathLike[str],
+    tree: Any,
+    format: str | Any = None,
+    *,
+    coordinator: Coordinator | None = None,
+    meta: Any = None,
+    durable: bool = True,
+    **options: Any,
+) -> None:
+    """Save a tree of arrays sharded over the processes of a job into one file; call it in every process.
+
+    Each process writes the byte ranges of the shards it holds (replica 0 of
+    each block), the primary (process 0) everything else; see the module
+    docstring for the protocol.  ``coordinator`` defaults to
+    :class:`JaxCoordinator` in a multi-process jax job.  Every process
+    returns when the checkpoint is in place, or raises :class:`PartsError`
+    naming the process that failed (the destination keeps its old content).
+    """
+    from . import api, io
+    from .registry import File
+
+    coord = coordinator if coordinator is not None else default_coordinator()
+    where = os.fspath(path)
+    primary = coord.process_index == 0
+    plan: _Plan | None = None
+    error: BaseException | None = None
+    fmt = None
+    try:
+        fmt = api._format_for_save(path, format)
+        devices = getattr(coord, "devices", None)
+        token = _IN_PARTS.set(_ADDRESSABLE if devices is None else frozenset(devices))
+        try:
+            encoded = api._encode(fmt, tree, meta, options, path)
+        finally:
+            _IN_PARTS.reset(token)
+        if not isinstance(fmt.layout, File) or encoded.files is not None:
+            if _holds_foreign_shards(tree):
+                raise EncodeError(
+                    f"format {fmt.name!r} cannot be written in parts, and the tree holds arrays "
+                    "whose shards lie in other processes"
+                )
+        else:
+            plan = _plan(encoded)
+    except BaseException as exc:
+        error = exc
+    _agree(coord, "encode", error, where)
+
+    if plan is None:  # a format written whole: the primary writes, the others wait
+        assert fmt is not None
+        error = None
+        if primary:
+            try:
+                api.save(path, tree, fmt, meta=meta, durable=durable, **options)
+            except BaseException as exc:
+                error = exc
+        _agree(coord, "write", error, where)
+        return
+
+    layouts = coord.exchange("layout", plan.digest())
+    if len(set(layouts)) != 1:
+        raise PartsError(
+            "the processes encode different layouts (trees or options differ): "
+            + ", ".join(f"process {i}: {d[:12]}" for i, d in enumerate(layouts)),
+            path=where,
+        )
+    with contextlib.ExitStack() as stack:
+        tmp = ""
+        error = None
+        if primary:
+            try:
+                tmp = os.fspath(stack.enter_context(io.file_in_parts(path, plan.size, durable)))
+            except BaseException as exc:
+                error = exc
+        tmp = _agree(coord, "create", error, where, tmp)[0]
+        error = None
+        try:
+            out = io.PartWriter(tmp)
+            try:
+                _write_own_shards(out, plan)
+                if primary:
+                    _write_plain(out, plan)
+            finally:
+                # (the primary's fsync at commit covers its own writes)
+                out.close(durable=durable and not primary)
+        except BaseException as exc:
+            error = exc
+        try:
+            _agree(coord, "write", error, where)
+        except BaseException:
+            stack.close()  # the primary drops the temporary: the old checkpoint stays
+            raise
+        error = None
+        if primary:
+            try:
+                with io.PartWriter(tmp) as out:
+                    _finish_late(out, plan)
+                stack.close()  # fsync and rename over the destination
+            except BaseException as exc:
+                error = exc
+        _agree(coord, "commit", error, where)
+
+
+def _holds_foreign_shards(tree: Any) -> bool:
+    """Whether some array of ``tree`` is not wholly held by this process."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return False
+    return any(
+        isinstance(x, jax.Array) and not x.is_fully_addressable
+        for x in jax.tree_util.tree_leaves(tree)
+    )

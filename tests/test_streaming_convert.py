@@ -1,0 +1,334 @@
+"""Streaming convert: tensor by tensor, the same bytes as an in-memory convert, bounded memory.
+
+The byte-identity tests compare ``ptio.convert`` (which streams where the
+formats allow) with ``ptio.convert_buffer`` (which never does) on small
+checkpoints.  The memory test converts a 1 GiB bullet checkpoint into
+safetensors in a subprocess and checks that its peak RSS grew by far less
+than the checkpoint (the whole file in memory would be 1 GiB).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pytreeio as ptio
+from pytreeio import conversion, io
+from pytreeio.checksum import array_checksum
+from pytreeio.registry import Deferred, Siblings, Streamed
+
+# --------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------
+
+
+def files_of(path: Path, fmt: str | None = None) -> Any:
+    layout = ptio.formats()[fmt].layout if fmt else None
+    if isinstance(layout, Siblings):
+        return {r: p.read_bytes() for r, p in layout.locate(path).items() if p.exists()}
+    if path.is_dir():
+        return {name: (path / name).read_bytes() for name in io.walk(path)}
+    return path.read_bytes()
+
+
+def streams(src: Path, from_: str, to: str, **options: Any) -> bool:
+    """Whether ``ptio.convert`` would stream this conversion."""
+    container, target = ptio.formats()[from_], ptio.formats()[to]
+    load_options = conversion.decode_options(container, target, options)
+    found = conversion.open_streamed(src, container, target, load_options)
+    if found is None:
+        return False
+    native, _, source = found
+    source.close()
+    leaves = [native]
+    while leaves:  # at least one array is read only when written
+        x = leaves.pop()
+        if isinstance(x, Streamed):
+            return True
+        if isinstance(x, dict):
+            leaves.extend(x.values())
+        if isinstance(x, list | tuple):
+            leaves.extend(x)
+    return False
+
+
+def check_identical(src: Path, dst: Path, from_: str, to: str, **options: Any) -> None:
+    """The streamed convert's bytes equal the in-memory convert's; checksums verify."""
+    assert streams(src, from_, to, **options)
+    ptio.convert(src, dst, to=to, **options)
+    want = ptio.convert_buffer(files_of(src, from_), from_=from_, to=to, dest=dst, **options)
+    assert dst.read_bytes() == want.tobytes()
+    ptio.verify(dst)
+
+
+def big(n: int, k: int) -> np.ndarray:
+    """A float32 array with different values per ``k`` (cheap to make again)."""
+    return np.arange(n, dtype=np.float32) + np.float32(k)
+
+
+# --------------------------------------------------------------------------
+# byte identity
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["seed", "later"])
+def test_datacode_to_safetensors(tmp_path: Path, variant: str) -> None:
+    rng = np.random.default_rng(0)
+    params = {
+        "layer0": {
+            "weight": rng.normal(size=(300, 200)).astype(np.float32),
+            "bias": rng.normal(size=200).astype(np.float32),
+        },
+        "layer2": {
+            "weight": rng.normal(size=(200, 100)).astype(np.float32),
+            "bias": rng.normal(size=100).astype(np.float32),
+        },
+    }
+    src = tmp_path / "m.nn"
+    meta = {"layers": ["Linear", "ReLU", "Linear"]}
+    ptio.save(src, params, format="datacode", meta=meta, variant=variant)
+    check_identical(src, tmp_path / "m.safetensors", "datacode", "safetensors")
+    back = ptio.load(tmp_path / "m.safetensors")
+    assert back["layer0"]["weight"].tobytes() == params["layer0"]["weight"].tobytes()
+    # and onward: the safetensors file carries DataCode's tree; back to DataCode in memory
+    ptio.convert(tmp_path / "m.safetensors", tmp_path / "back.nn", to="datacode")
+    assert (tmp_path / "back.nn").read_bytes() == src.read_bytes()
+
+
+def test_bullet_to_safetensors(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    w = {
+        "l0w": rng.normal(size=(256, 128)).astype(np.float32),
+        "l0b": rng.normal(size=128).astype(np.float32),
+        "l1w": rng.normal(size=(128, 1)).astype(np.float32),
+        "l1b": rng.normal(size=1).astype(np.float32),
+    }
+    tree = {"weights": w, "momentum": {k: v * 2 for k, v in w.items()}}
+    tree["velocity"] = {k: v * 3 for k, v in w.items()}
+    src = tmp_path / "ckpt"
+    ptio.save(src, tree, format="bullet", meta={"steps": {k: 4 for k in w}, "log": "1,1,0.5\n"})
+    check_identical(src, tmp_path / "b.safetensors", "bullet", "safetensors")
+
+
+def test_waffe2_conformance_to_safetensors(
+    conformance: Path, tmp_path: Path, every_slot_streams: Any
+) -> None:
+    for d in sorted((conformance / "waffe2").iterdir()):
+        if d.is_dir():
+            check_identical(d, tmp_path / f"{d.stem}.safetensors", "waffe2", "safetensors")
+
+
+def test_without_checksums_and_safetensors_onward(tmp_path: Path) -> None:
+    src = tmp_path / "m.nn"
+    params = {"layer0": {"weight": big(256 * 128, 0).reshape(256, 128), "bias": big(128, 1)}}
+    ptio.save(src, params, format="datacode")
+    check_identical(src, tmp_path / "a.safetensors", "datacode", "safetensors", checksum=False)
+    assert "pytreeio.xxh3_64" not in ptio.inspect(tmp_path / "a.safetensors").meta
+    if ptio.formats()["safetensors"].slots is not None:  # safetensors -> safetensors streams too
+        check_identical(
+            tmp_path / "a.safetensors", tmp_path / "b.safetensors", "safetensors", "safetensors"
+        )
+
+
+@pytest.fixture
+def every_slot_streams() -> Any:
+    """Small test tensors streamed too (normally slots under 64 KiB are read up front)."""
+    old = conversion.STREAM_MIN_BYTES
+    conversion.STREAM_MIN_BYTES = 0
+    yield
+    conversion.STREAM_MIN_BYTES = old
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "safetensors", "netcl-params", "netcl-checkpoint"])
+def test_generic_and_netcl_to_safetensors(
+    tmp_path: Path, fmt: str, every_slot_streams: Any
+) -> None:
+    rng = np.random.default_rng(2)
+    params = {
+        "Dense_0": {
+            "kernel": rng.normal(size=(30, 20)).astype(np.float32),
+            "bias": rng.normal(size=20).astype(np.float32),
+        },
+        "Dense_1": {"kernel": rng.normal(size=(20, 5)).astype(np.float32)},
+    }
+    tree: Any = params
+    if fmt in ("msgpack", "safetensors"):  # any pytree: scalars, strings, lists, float16
+        tree = {"params": params, "step": 3, "name": "x", "xs": [np.arange(5), None, 1.5]}
+        tree["half"] = np.ones(7, np.float16)
+    src = tmp_path / f"src.{fmt}"
+    ptio.save(src, tree, format=fmt)
+    check_identical(src, tmp_path / "out.safetensors", fmt, "safetensors")
+
+
+def test_tinyllama_conformance_to_safetensors(
+    conformance: Path, tmp_path: Path, every_slot_streams: Any
+) -> None:
+    for src in sorted((conformance / "tinyllama").iterdir()):
+        check_identical(src, tmp_path / "t.safetensors", "tinyllama", "safetensors")
+
+
+def test_model_form_conversions_do_not_stream(tmp_path: Path) -> None:
+    src = tmp_path / "m.nn"
+    params = {"layer0": {"weight": big(256 * 128, 0).reshape(256, 128), "bias": big(128, 1)}}
+    ptio.save(src, params, format="datacode")
+    assert not streams(src, "datacode", "waffe2")  # through the model form: in memory
+    assert not streams(src, "datacode", "datacode")  # DataCode's encoder takes no Streamed
+    dst = tmp_path / "m.wf2model"
+    ptio.convert(src, dst, to="waffe2", hyperparams={"learning_rate": 0.1})
+    want = ptio.convert_buffer(
+        src.read_bytes(),
+        from_="datacode",
+        to="waffe2",
+        dest=dst,
+        hyperparams={"learning_rate": 0.1},
+    )
+    assert files_of(dst) == {k: v.tobytes() for k, v in want.files.items()}
+
+
+def test_deferred_chunks_written_in_place(tmp_path: Path) -> None:
+    produced: list[str] = []
+
+    def make(tag: str, data: bytes) -> Deferred:
+        def produce() -> bytes:
+            produced.append(tag)
+            return data
+
+        return Deferred(len(data), produce, late=tag == "head")
+
+    enc = ptio.Encoded(chunks=(make("head", b"HEAD"), b"--", make("a", b"aaa"), make("b", b"")))
+    io.write_file_atomic(tmp_path / "f", enc)
+    assert (tmp_path / "f").read_bytes() == b"HEAD--aaa"
+    assert produced == ["a", "b", "head"]  # the late header after the data
+    assert enc.nbytes == 9 and enc.tobytes() == b"HEAD--aaa"
+    bad = ptio.Encoded(chunks=(Deferred(5, lambda: b"abc"),))
+    with pytest.raises(ptio.EncodeError):
+        io.write_file_atomic(tmp_path / "g", bad)
+    assert not (tmp_path / "g").exists()
+
+
+def test_a_source_changed_underneath_fails_cleanly(tmp_path: Path) -> None:
+    src = tmp_path / "m.nn"
+    params = {"layer0": {"weight": big(256 * 128, 0).reshape(256, 128), "bias": big(128, 1)}}
+    ptio.save(src, params, format="datacode")
+    native, meta, source = conversion.open_streamed(
+        src, ptio.formats()["datacode"], ptio.formats()["safetensors"], {}
+    ) or (None, None, None)
+    assert source is not None
+    try:
+        enc = ptio.encode(native, "safetensors", meta=meta)
+        with open(src, "r+b") as f:  # a tensor's bytes shorter than its slot now
+            f.truncate(200)
+        source.size = 200  # the source checks ranges against the size it knows
+        with pytest.raises(ptio.FormatError):
+            io.write_file_atomic(tmp_path / "out.safetensors", enc)
+        assert not (tmp_path / "out.safetensors").exists()
+    finally:
+        source.close()
+
+
+# --------------------------------------------------------------------------
+# bounded memory
+# --------------------------------------------------------------------------
+
+#: 16 weights of 64 MiB: a 1 GiB checkpoint; peak RSS growth must stay far below it.
+N_TENSORS = 16
+ROWS, COLS = 4096, 4096
+LIMIT_MB = 320
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import pytreeio as ptio
+    from pytreeio import fmt
+
+    fmt.load()  # every format module imported before the baseline
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) // 1024  # kB -> MiB
+        raise KeyError(key)
+
+    base = status("VmRSS")
+    ptio.convert(sys.argv[1], sys.argv[2], to="safetensors", durable=False)
+    print(json.dumps({"base_mb": base, "peak_mb": status("VmHWM")}))
+    """
+)
+
+
+#: Weights written with values; the others are left as holes of a sparse file (zeros that
+#: cost no disk time to make, but are read and written like any other bytes).
+FILLED = (0, N_TENSORS - 1)
+
+
+def expected(k: int) -> np.ndarray:
+    return big(ROWS * COLS, k) if k in FILLED else np.zeros(ROWS * COLS, np.float32)
+
+
+def write_big_bullet(root: Path) -> None:
+    """optimiser_state/weights.bin of N_TENSORS (ROWS, COLS) weights plus biases."""
+    (root / "optimiser_state").mkdir(parents=True)
+    with open(root / "optimiser_state" / "weights.bin", "wb") as f:
+        for k in range(N_TENSORS):
+            f.write(f"l{k}b\n".encode() + struct.pack("<Q", COLS) + big(COLS, k).tobytes())
+            f.write(f"l{k}w\n".encode() + struct.pack("<Q", ROWS * COLS))
+            if k in FILLED:
+                f.write(expected(k).tobytes())
+            else:
+                f.seek(4 * ROWS * COLS, 1)
+        f.truncate()
+
+
+def scratch_dir() -> str | None:
+    """A memory file system when one has room (file pages there are not the process's RSS)."""
+    import os
+    import shutil
+
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 3 << 30:
+        return shm
+    return None
+
+
+def test_large_checkpoint_streams_in_bounded_memory() -> None:
+    with tempfile.TemporaryDirectory(dir=scratch_dir()) as tmp:
+        src, dst = Path(tmp) / "ckpt", Path(tmp) / "out.safetensors"
+        write_big_bullet(src)
+        size = (src / "optimiser_state" / "weights.bin").stat().st_size
+        assert size > 1 << 30
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, str(src), str(dst)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr
+        mem = json.loads(out.stdout.strip().splitlines()[-1])
+        growth = mem["peak_mb"] - mem["base_mb"]
+        assert growth < LIMIT_MB, mem  # the whole checkpoint would be 1024 MiB
+        print(f"peak RSS growth {growth} MiB converting {size >> 20} MiB")
+        # the output: every tensor where its header says, with its checksum
+        assert len(ptio.inspect(dst).entries) == 2 * N_TENSORS
+        with io.FileSource(dst) as f:
+            (n,) = struct.unpack("<Q", bytes(f.read(0, 8, "n")))
+            header = json.loads(bytes(f.read(8, n, "header")))
+            sums = json.loads(header["__metadata__"]["pytreeio.xxh3_64"])
+            assert len(sums) == 2 * N_TENSORS
+            for k in (0, 1, N_TENSORS - 1):
+                name = f"weights/l{k}w"
+                begin, end = header[name]["data_offsets"]
+                assert header[name]["shape"] == [ROWS, COLS]
+                want = expected(k)
+                assert sums[name] == array_checksum(want)
+                got = np.frombuffer(f.read(8 + n + begin, end - begin, name), np.float32)
+                assert np.array_equal(got, want)
