@@ -89,22 +89,31 @@ _READ_CHUNK = 16 << 20
 MAX_MANIFEST_BYTES = 64 << 20
 
 
-def _xxhash() -> Any:
-    import xxhash  # lazily: only integrity checks need it
+_XXHASH: Any = None
 
-    return xxhash
+
+def _xxhash() -> Any:
+    global _XXHASH
+    if _XXHASH is None:
+        import xxhash  # lazily: only integrity checks need it
+
+        _XXHASH = xxhash
+    return _XXHASH
 
 
 def buffer_checksum(data: Any) -> str:
     """The checksum of a bytes-like object (hashed in place)."""
-    return f"{_xxhash().xxh3_64_intdigest(data):016x}"
+    return f"{(_XXHASH or _xxhash()).xxh3_64_intdigest(data):016x}"
 
 
 def array_checksum(arr: np.ndarray) -> str:
     """The checksum of a C-contiguous array's bytes (its own buffer, no copy)."""
     if not arr.flags.c_contiguous:
         raise ValueError("array_checksum needs a C-contiguous array")
-    return buffer_checksum(arr.reshape(-1).view(np.uint8))
+    # numpy's own dtypes export their buffer directly (one call per tensor: per-leaf
+    # cost); others (bfloat16, float8) cannot, and are hashed through a byte view.
+    data = arr if arr.dtype.isbuiltin == 1 else arr.reshape(-1).view(np.uint8)
+    return f"{(_XXHASH or _xxhash()).xxh3_64_intdigest(data):016x}"
 
 
 def file_checksum(path: str | os.PathLike[str]) -> tuple[int, str]:

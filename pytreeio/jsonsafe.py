@@ -50,7 +50,15 @@ import numpy as np
 
 from .errors import FormatError
 
-__all__ = ["loads", "scan", "Scan", "max_depth_of", "MAX_DEPTH", "DEFAULT_ALLOWANCE"]
+__all__ = [
+    "loads",
+    "loads_counted",
+    "scan",
+    "Scan",
+    "max_depth_of",
+    "MAX_DEPTH",
+    "DEFAULT_ALLOWANCE",
+]
 
 #: Default nesting limit: far above any legitimate document, far below the interpreter's stack.
 MAX_DEPTH = 128
@@ -62,7 +70,7 @@ _BYTES_PER_VALUE = 64
 # Error path only: finds a NaN/Infinity literal outside strings.
 _CONSTANT = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\Z)|(-?Infinity|NaN)', re.DOTALL)
 _CHUNK = 1 << 20
-_BACKSLASH, _QUOTE, _COMMA = 0x5C, 0x22, 0x2C
+_BACKSLASH, _QUOTE, _COMMA, _COLON = 0x5C, 0x22, 0x2C, 0x3A
 _OPEN = (0x5B, 0x7B)  # [ {
 _CLOSE = (0x5D, 0x7D)  # ] }
 
@@ -77,13 +85,15 @@ class _Reject(Exception):
 
 
 class Scan:
-    """What :func:`scan` found: nesting depth, values, and where the depth limit was crossed."""
+    """What :func:`scan` found: nesting depth, values, object members (colons outside
+    strings), and where the depth limit was crossed."""
 
-    __slots__ = ("depth", "too_deep_at", "values")
+    __slots__ = ("depth", "members", "too_deep_at", "values")
 
     def __init__(self) -> None:
         self.depth = 0
         self.values = 1
+        self.members = 0
         self.too_deep_at: int | None = None
 
 
@@ -113,6 +123,7 @@ def scan(raw: bytes, max_depth: int | None = None) -> Scan:
         opens = ((a == _OPEN[0]) | (a == _OPEN[1])) & outside
         closes = ((a == _CLOSE[0]) | (a == _CLOSE[1])) & outside
         out.values += int(np.count_nonzero(opens)) + int(np.count_nonzero((a == _COMMA) & outside))
+        out.members += int(np.count_nonzero((a == _COLON) & outside))
         steps = opens.view(np.int8) - closes.view(np.int8)
         levels = np.cumsum(steps, dtype=np.int32)
         deepest = depth + int(levels.max())
@@ -208,6 +219,48 @@ def loads(
     allow_duplicates: bool = False,
 ) -> Any:
     """Parse one JSON document, bounded; every problem is a :class:`FormatError` (see the module doc)."""
+    return _loads(
+        data, path, field, offset, exact, max_depth, max_values, allow_nan, allow_duplicates, None
+    )
+
+
+def loads_counted(
+    data: bytes | bytearray | memoryview | str,
+    *,
+    path: str | None = None,
+    field: str | None = None,
+    offset: int = 0,
+    exact: bool = True,
+    max_depth: int = MAX_DEPTH,
+    max_values: int | None = None,
+) -> tuple[Any, int]:
+    """:func:`loads` without the per-object duplicate-key hook, for large documents.
+
+    Returns ``(document, members)``: ``members`` is the number of object
+    members (``"key": value`` pairs) in the text.  A repeated key makes the
+    parsed objects hold fewer entries than that, so a caller that sums
+    ``len(obj)`` over distinct objects of the document and finds less than
+    ``members`` must parse it again with :func:`loads` (which reports the
+    duplicate, if there is one).  Equality proves there is none.  Everything
+    else (depth, value count, NaN, utf-8) is checked as :func:`loads` checks it.
+    """
+    counted: list[int] = []
+    doc = _loads(data, path, field, offset, exact, max_depth, max_values, False, True, counted)
+    return doc, counted[0]
+
+
+def _loads(
+    data: bytes | bytearray | memoryview | str,
+    path: str | None,
+    field: str | None,
+    offset: int,
+    exact: bool,
+    max_depth: int,
+    max_values: int | None,
+    allow_nan: bool,
+    allow_duplicates: bool,
+    counted: list[int] | None,
+) -> Any:
 
     def fail(reason: str, pos: int | None = None) -> FormatError:
         if pos is None:
@@ -240,6 +293,8 @@ def loads(
         raise fail(
             f"document holds about {found.values:,} values, more than the limit of {max_values:,}"
         )
+    if counted is not None:
+        counted.append(found.members)
 
     try:
         return _decoder(allow_nan, allow_duplicates).decode(text)

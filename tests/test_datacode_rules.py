@@ -132,7 +132,7 @@ def _stage(otype: str, params: dict | None = None, loss: str = "mse") -> dict:
 
 @pytest.mark.parametrize("jit", [False, True], ids=["op-by-op", "jit"])
 @pytest.mark.parametrize("otype", list(REFERENCE))
-def test_rule_matches_datacode_within_2_ulp(otype: str, jit: bool) -> None:
+def test_rule_matches_datacode_bit_for_bit(otype: str, jit: bool) -> None:
     stage = _stage(otype)
     _, hp = rules.hyperparams(stage)
     params, grads = _problem(list(REFERENCE).index(otype))
@@ -145,7 +145,7 @@ def test_rule_matches_datacode_within_2_ulp(otype: str, jit: bool) -> None:
     got = _run(rules.datacode_optimizer(stage), params, grads, jit)
     for k in params:
         assert got[k].dtype == np.float32
-        assert ulps(got[k], want[k]) <= 2, (otype, k, ulps(got[k], want[k]))
+        assert ulps(got[k], want[k]) == 0, (otype, k, ulps(got[k], want[k]))
 
 
 STOCK = {

@@ -260,3 +260,38 @@ def test_json_documents_are_parsed_with_bounds() -> None:
         with pytest.raises(ptio.FormatError) as e:
             fmt_st.decode(_blob({"__metadata__": {**md, "pytreeio.meta": bad}}))
         assert e.value.field == "pytreeio.meta" and e.value.offset == 8
+
+
+def _raw_blob(header: str, data: bytes) -> bytes:
+    text = header.encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data
+
+
+_W = '"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
+_W_TWICE = '"w":{"dtype":"F32","dtype":"F32","shape":[1],"data_offsets":[0,4]}'
+_DICT_TWICE = '{"dict":[["a",{"leaf":"w"}]],"dict":[["a",{"leaf":"w"}]]}'
+
+
+@pytest.mark.parametrize(
+    ("header", "tree"),
+    [
+        (f"{_W},{_W}", '{"leaf":"w"}'),  # a tensor named twice (the second would win)
+        (_W_TWICE, '{"leaf":"w"}'),  # a field repeated inside a tensor entry
+        (_W, '{"leaf":"w","leaf":"w"}'),  # repeated in the structure document: a leaf
+        (_W, _DICT_TWICE),  # ... and a dict node
+    ],
+)
+def test_repeated_json_keys_are_refused(header: str, tree: str) -> None:
+    from pytreeio.binary import BufferSource
+
+    def blob_of(header: str, tree: str) -> bytes:
+        md = json.dumps({"format": "pytreeio", "pytreeio.version": "1", "pytreeio.tree": tree})
+        return _raw_blob("{" + f'"__metadata__":{md},' + header + "}", b"\0" * 4)
+
+    blob = blob_of(header, tree)
+    with pytest.raises(ptio.FormatError, match="duplicate"):
+        fmt_st.decode(blob)
+    with pytest.raises(ptio.FormatError, match="duplicate"):
+        fmt_st.slots(BufferSource(blob))
+    assert fmt_st.decode(blob_of(_W, '{"leaf":"w"}')).tree.tolist() == [0.0]

@@ -110,6 +110,7 @@ from ..registry import (
     REPORT,
     STRUCTURE,
     Decoded,
+    Deferred,
     Encoded,
     Entry,
     Format,
@@ -865,23 +866,73 @@ def _transformed(
     return array, fused
 
 
-def _quantised_entry(
-    spec: _Spec, array: np.ndarray, tensors: Mapping[str, np.ndarray]
-) -> np.ndarray:
-    arr, fused = _transformed(spec, array, tensors, fuse_last=spec.type != "f32")
-    if spec.type == "f32":
-        return arr
-    assert spec.scale is not None
-    return quant.quantise(
-        arr, spec.scale, spec.type, round=spec.round, transpose=fused, name=spec.id
-    )
+#: Quantisation kernels computing ahead of the entry being written (each holds its result).
+_AHEAD = 2
+
+
+class _Quantising:
+    """quantised.bin's integer entries, computed on the jax device while other bytes are written.
+
+    Every entry's range is checked in :func:`_encode_quantised` (a failure
+    leaves quantised.bin out before anything is written); the values are
+    computed :data:`_AHEAD` entries ahead of the writer, so at most that many
+    results are held, and the first ones compute while raw.bin is written.
+    """
+
+    def __init__(self, jobs: list[tuple[Any, _Spec, bool]]) -> None:
+        self._jobs = jobs
+        self._pending: dict[int, quant.Pending] = {}
+        self._next = 0
+
+    def _start(self, k: int) -> quant.Pending:
+        x32, spec, fused = self._jobs[k]
+        assert spec.scale is not None
+        return quant.quantise_async(x32, spec.scale, spec.type, round=spec.round, transpose=fused)
+
+    def start(self, upto: int) -> None:
+        while self._next < min(upto, len(self._jobs)):
+            self._pending[self._next] = self._start(self._next)
+            self._next += 1
+
+    def nbytes(self, k: int) -> int:
+        x32, spec, _ = self._jobs[k]
+        return int(x32.size) * spec.itemsize
+
+    def take(self, k: int) -> Any:
+        self.start(k + 1 + _AHEAD)
+        pending = self._pending.pop(k, None)
+        if pending is None:  # produced again (an encoding written twice): compute it anew
+            pending = self._start(k)
+        return pending.result().reshape(-1).view(np.uint8)
 
 
 def _encode_quantised(specs: Sequence[_Spec], weights: Mapping[str, np.ndarray]) -> list[Any]:
     w = Writer()
+    jobs: list[tuple[Any, _Spec, bool]] = []
+    slots: list[Any] = []  # per entry: an f32 array, or the index of its quantisation job
     for spec in specs:
-        w.array(_quantised_entry(spec, weights[spec.id], weights))
+        arr, fused = _transformed(spec, weights[spec.id], weights, fuse_last=spec.type != "f32")
+        if spec.type == "f32":
+            slots.append(arr)
+            continue
+        assert spec.scale is not None
+        x32 = quant.check_quantisable(arr, spec.scale, spec.type, round=spec.round, name=spec.id)
+        slots.append(len(jobs))
+        jobs.append((x32, spec, fused))
+    work = _Quantising(jobs)
+
+    def entry(k: int) -> Callable[[], Any]:
+        return lambda: work.take(k)
+
+    for slot in slots:
+        if isinstance(slot, int):
+            n = work.nbytes(slot)
+            if n:
+                w.deferred(Deferred(n, entry(slot)))
+        else:
+            w.array(slot)
     w.raw(padding(w.nbytes))
+    work.start(_AHEAD)
     return w.finish()
 
 

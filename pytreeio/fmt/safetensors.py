@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes, jsonsafe, keys, nnx, sharding
-from ..binary import ByteSource, Reader, Writer, check_shape
+from ..binary import ByteSource, Reader, check_shape
 from ..errors import EncodeError, FormatError
 from ..registry import (
     FILE,
@@ -146,21 +146,52 @@ _DTYPE_BY_CODE = {
 
 
 class _Collector:
+    """Walks the tree once: the structure document plus each tensor and its dtype code."""
+
     def __init__(self) -> None:
         self.tensors: list[tuple[str, np.ndarray | Streamed]] = []
+        self.codes: list[str] = []
 
     def add(self, name: str, arr: np.ndarray | Streamed, kind: str | None) -> dict[str, Any]:
         if name == _META:
             raise EncodeError(f"the key {_META!r} is reserved by safetensors", key_path=name)
-        if _code_of(arr.dtype) is None:
+        code = _code_of(arr.dtype)
+        if code is None:
             raise EncodeError(f"safetensors cannot store dtype {arr.dtype.name}", key_path=name)
         self.tensors.append((name, arr if isinstance(arr, Streamed) else dtypes.c_order(arr)))
+        self.codes.append(code)
         node: dict[str, Any] = {"leaf": name}
         if kind:
             node["kind"] = kind
         return node
 
     def structure(self, x: Any, key: str = "", depth: int = 0) -> Any:
+        # The two common nodes first, with the per-node work done inline (this runs once
+        # per leaf and per dict): a plain ndarray and a plain dict of str keys.
+        tx = type(x)
+        if tx is np.ndarray and depth <= MAX_TREE_DEPTH:
+            code = _CODE_BY_DTYPE.get(x.dtype)  # only native little-endian dtypes are cached
+            if code is not None and x.flags.c_contiguous and key != _META:
+                self.tensors.append((key, x))
+                self.codes.append(code)
+                return {"leaf": key}
+            return self.add(key, x, None)
+        if tx is dict and depth < MAX_TREE_DEPTH:
+            names = list(x)
+            if all(type(k) is str for k in names):
+                names.sort()
+                d = depth + 1
+                items = []
+                for k in names:
+                    if k and k[0] not in "[#\\" and "/" not in k and "\\" not in k:
+                        text = k
+                    else:
+                        text = component_string(k)
+                    items.append([k, self.structure(x[k], f"{key}/{text}" if key else text, d)])
+                return {"dict": items}
+        return self._general(x, key, depth)
+
+    def _general(self, x: Any, key: str, depth: int) -> Any:
         if depth > MAX_TREE_DEPTH:
             raise EncodeError(f"tree is nested deeper than {MAX_TREE_DEPTH} levels", key_path=key)
         if isinstance(x, np.ndarray):
@@ -266,6 +297,7 @@ def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, checksum: bool =
     """
     col = _Collector()
     structure = col.structure(tree)
+    tensors, codes = col.tensors, col.codes
     metadata = {
         "format": "pytreeio",
         _VERSION_KEY: FORMAT_VERSION,
@@ -273,6 +305,7 @@ def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, checksum: bool =
     }
     if meta:
         metadata[_META_KEY] = _meta_json(meta)
+    streamed = any(isinstance(arr, Streamed) for _, arr in tensors)
     sums: dict[str, str] = {}
     if checksum:
         from ..checksum import array_checksum
@@ -281,25 +314,33 @@ def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, checksum: bool =
         # same length holds its place, so the header's length is known up front.
         sums = {
             name: _PENDING if isinstance(arr, Streamed) else array_checksum(arr)
-            for name, arr in col.tensors
+            for name, arr in tensors
         }
-    # Largest items first keeps every tensor aligned to its dtype (the header is 8-aligned).
-    order = sorted(range(len(col.tensors)), key=lambda i: -col.tensors[i][1].dtype.itemsize)
+    # Largest items first keeps every tensor aligned to its dtype (the header is 8-aligned);
+    # the sort is stable, so equal item sizes keep the tree's order.
+    sizes = [arr.dtype.itemsize for _, arr in tensors]
+    order = sorted(range(len(tensors)), key=sizes.__getitem__, reverse=True)
+    # Each entry's JSON text, built once: the checksums alone change between a streamed
+    # encoding's first and final header.
+    dumps = json.encoder.encode_basestring  # what json.dumps(ensure_ascii=False) uses
+    entries = []
+    offset = 0
+    for i in order:
+        name, arr = tensors[i]
+        nbytes = arr.nbytes
+        shape = ",".join(map(str, arr.shape))
+        entries.append(
+            f'{dumps(name)}:{{"dtype":"{codes[i]}","shape":[{shape}],'
+            f'"data_offsets":[{offset},{offset + nbytes}]}}'
+        )
+        offset += nbytes
+    body = ",".join(entries)
 
     def header_text(sums: dict[str, str]) -> bytes:
         if checksum:
             metadata[_SUM_KEY] = json.dumps(sums, separators=(",", ":"), ensure_ascii=False)
-        header: dict[str, Any] = {_META: metadata}
-        offset = 0
-        for i in order:
-            name, arr = col.tensors[i]
-            header[name] = {
-                "dtype": _code_of(arr.dtype),
-                "shape": list(arr.shape),
-                "data_offsets": [offset, offset + arr.nbytes],
-            }
-            offset += arr.nbytes
-        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        head = json.dumps({_META: metadata}, separators=(",", ":"), ensure_ascii=False)
+        text = (f"{head[:-1]},{body}}}" if body else head).encode("utf-8")
         text += b" " * (-len(text) % 8)
         if len(text) > MAX_HEADER_BYTES:
             raise EncodeError(
@@ -308,14 +349,32 @@ def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, checksum: bool =
         return text
 
     text = header_text(sums)
-    if not any(isinstance(arr, Streamed) for _, arr in col.tensors):
-        w = Writer()
-        w.u64(len(text))
-        w.raw(text)
-        for i in order:
-            w.array(col.tensors[i][1])  # type: ignore[arg-type]  # no Streamed here
-        return Encoded(chunks=tuple(w.finish()))
-    return _streamed_encoding(col, order, text, sums if checksum else None, header_text)
+    if streamed:
+        return _streamed_encoding(col, order, text, sums if checksum else None, header_text)
+    # Small tensors are packed into one buffer with the header (one write for many
+    # leaves); large ones are referenced in place.
+    chunks: list[Any] = []
+    pending = bytearray(len(text).to_bytes(8, "little"))
+    pending += text
+    for i in order:
+        a: Any = tensors[i][1]  # no Streamed here
+        nbytes = a.nbytes
+        if not nbytes:
+            continue
+        if nbytes < _PACK_BELOW:
+            # numpy's own dtypes export their buffer; others (bfloat16) as bytes
+            pending += a.data if a.dtype.isbuiltin == 1 else a.reshape(-1).view(np.uint8).data
+        else:
+            chunks.append(bytes(pending))
+            pending = bytearray()
+            chunks.append(a.reshape(-1).view(np.uint8).data)
+    if pending:
+        chunks.append(bytes(pending))
+    return Encoded(chunks=tuple(chunks))
+
+
+#: Tensors smaller than this are copied into one buffer with their neighbours.
+_PACK_BELOW = 4096
 
 
 def _streamed_encoding(
@@ -412,19 +471,19 @@ def _tensor(
         code = spec.get("dtype")
         dt = _DTYPE_BY_CODE.get(code) if type(code) is str else None  # lists are unhashable
         shape, offs = spec.get("shape"), spec.get("data_offsets")
-        if (
-            dt is not None
-            and type(shape) is list
-            and len(shape) <= 8
-            and type(offs) is list
-            and len(offs) == 2
-            and type(offs[0]) is int
-            and type(offs[1]) is int
-            and 0 <= offs[0] <= offs[1] <= data_len
-            and all(type(d) is int and 0 < d < 2**31 for d in shape)
-            and math.prod(shape) * dt.itemsize == offs[1] - offs[0]
-        ):
-            return dt, tuple(shape), offs[0], offs[1]
+        if dt is not None and type(shape) is list and type(offs) is list and len(offs) == 2:
+            b, e = offs
+            if type(b) is int and type(e) is int and 0 <= b <= e <= data_len:
+                if len(shape) == 1:  # the commonest shape, without a generator
+                    d0 = shape[0]
+                    if type(d0) is int and 0 < d0 < 2**31 and d0 * dt.itemsize == e - b:
+                        return dt, (d0,), b, e
+                elif (
+                    len(shape) <= 8
+                    and all(type(d) is int and 0 < d < 2**31 for d in shape)
+                    and math.prod(shape) * dt.itemsize == e - b
+                ):
+                    return dt, tuple(shape), b, e
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
         raise r.error(f"tensor {name!r:.80}: needs exactly dtype, shape, data_offsets", name, 8)
     code = spec["dtype"]
@@ -466,14 +525,21 @@ def _read_header(r: Reader, total: int) -> _Header:
     raw = r.bytes(n, "header")
     if n == 0 or raw[0] != ord("{"):
         raise r.error("header is not a JSON object", "header", 8)
-    doc = jsonsafe.loads(
-        raw,
-        path=r.source,
-        field="header",
-        offset=8,
-        max_depth=_HEADER_JSON_DEPTH,
-        max_values=_value_budget(total),
-    )
+    bounds: dict[str, Any] = {
+        "path": r.source,
+        "field": "header",
+        "offset": 8,
+        "max_depth": _HEADER_JSON_DEPTH,
+        "max_values": _value_budget(total),
+    }
+    # Parsed without a per-object hook; a repeated key shows as fewer members in the
+    # parsed objects than in the text (a header's objects nest two deep), and only then
+    # is the header parsed again strictly, which reports it.
+    doc, members = jsonsafe.loads_counted(raw, **bounds)
+    if isinstance(doc, dict) and members != len(doc) + sum(
+        len(v) for v in doc.values() if type(v) is dict
+    ):
+        doc = jsonsafe.loads(raw, **bounds)
     if not isinstance(doc, dict):
         raise r.error("header is not a JSON object", "header", 8)
     metadata = doc.pop(_META, {})
@@ -481,6 +547,13 @@ def _read_header(r: Reader, total: int) -> _Header:
         raise r.error("__metadata__ must map strings to strings", _META, 8)
     data_len = total - 8 - n
     entries = {name: _tensor(name, spec, r, data_len, n) for name, spec in doc.items()}
+    if entries:
+        # Contiguous coverage checked at once; the loop below only names the culprit.
+        spans = np.array([(e[2], e[3]) for e in entries.values()], dtype=np.int64)
+        order = np.lexsort((spans[:, 1], spans[:, 0]))
+        begins, ends = spans[order, 0], spans[order, 1]
+        if begins[0] == 0 and ends[-1] == data_len and np.array_equal(begins[1:], ends[:-1]):
+            return _Header(n, entries, metadata, r.source)
     pos = 0
     for name, (_, _, b, e) in sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
         if b != pos:
@@ -498,9 +571,15 @@ def _read_header(r: Reader, total: int) -> _Header:
     return _Header(n, entries, metadata, r.source)
 
 
-def _document(header: _Header, key: str, max_depth: int, total: int) -> Any:
-    """A JSON document held in a ``__metadata__`` string (its bytes are escaped in the file)."""
-    return jsonsafe.loads(
+def _document(
+    header: _Header, key: str, max_depth: int, total: int, *, counted: bool = False
+) -> Any:
+    """A JSON document held in a ``__metadata__`` string (its bytes are escaped in the file).
+
+    ``counted``: ``(document, members)`` from :func:`pytreeio.jsonsafe.loads_counted`.
+    """
+    load = jsonsafe.loads_counted if counted else jsonsafe.loads
+    return load(
         header.metadata[key],
         path=header.source,
         field=key,
@@ -535,6 +614,21 @@ class _Rebuilder:
         self.used: set[str] = set()
         self.r = r
         self.classes: dict[tuple[str, tuple[str, ...]], Any] = {}
+        #: Members of the JSON objects visited (see :func:`pytreeio.jsonsafe.loads_counted`).
+        self.members = 0
+
+    def build(self, header: _Header, total: int) -> Any:
+        """The tree the header's structure document describes, every node checked."""
+        bounds = (header, _TREE_KEY, _TREE_JSON_DEPTH, total)
+        structure, members = _document(*bounds, counted=True)
+        try:
+            tree = self.node(structure)
+        except FormatError:
+            _document(*bounds)  # a repeated key is the error to report, if there is one
+            raise
+        if self.members != members:  # objects the rebuild did not visit, or a repeated key
+            _document(*bounds)
+        return tree
 
     def bad(self, why: str) -> FormatError:
         return self.r.error(f"{_TREE_KEY}: {why}", _TREE_KEY, 8)
@@ -546,6 +640,7 @@ class _Rebuilder:
             return None
         if not isinstance(node, dict):
             raise self.bad(f"unexpected node {node!r:.60}")
+        self.members += len(node)
         d = depth + 1
         if "leaf" in node:
             return self.leaf(node)
@@ -589,7 +684,19 @@ class _Rebuilder:
 
     def mapping(self, items: list[Any], depth: int) -> dict[Any, Any]:
         out: dict[Any, Any] = {}
+        arrays, used = self.arrays, self.used
+        leaf_ok = depth <= MAX_TREE_DEPTH
         for item in items:
+            # The common entry inline: [str key, {"leaf": name}] (this runs once per leaf).
+            if type(item) is list and len(item) == 2 and leaf_ok:
+                k, v = item
+                if type(k) is str and type(v) is dict and len(v) == 1 and k not in out:
+                    name = v.get("leaf")
+                    if type(name) is str and name in arrays and name not in used:
+                        self.members += 1
+                        used.add(name)
+                        out[k] = arrays[name]
+                        continue
             if (
                 not isinstance(item, list)
                 or len(item) != 2
@@ -707,10 +814,9 @@ def decode(buffer: Any, *, verify: bool = False) -> Decoded:
         raise r.error(
             f"unsupported pytreeio layout version {md.get(_VERSION_KEY)!r:.40}", _VERSION_KEY, 8
         )
-    structure = _document(header, _TREE_KEY, _TREE_JSON_DEPTH, total)
     meta = _user_meta(header, total)
     rebuilder = _Rebuilder(arrays, r)
-    tree = rebuilder.node(structure)
+    tree = rebuilder.build(header, total)
     unused = sorted(set(arrays) - rebuilder.used)
     if unused:
         raise r.error(f"tensors not referenced by the tree structure: {unused[:5]}", _TREE_KEY, 8)
@@ -791,10 +897,9 @@ def slots(source: ByteSource) -> Slots:
         raise r.error(
             f"unsupported pytreeio layout version {md.get(_VERSION_KEY)!r:.40}", _VERSION_KEY, 8
         )
-    structure = _document(header, _TREE_KEY, _TREE_JSON_DEPTH, source.size)
     meta = _user_meta(header, source.size)
     rebuilder = _SlotRebuilder(found, r)  # type: ignore[arg-type]  # slots, not arrays
-    tree = rebuilder.node(structure)
+    tree = rebuilder.build(header, source.size)
     unused = sorted(set(found) - rebuilder.used)
     if unused:
         raise r.error(f"tensors not referenced by the tree structure: {unused[:5]}", _TREE_KEY, 8)

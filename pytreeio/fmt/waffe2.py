@@ -108,6 +108,7 @@ from ..registry import (
     DIRECTORY,
     STRUCTURE,
     Decoded,
+    Deferred,
     Encoded,
     Entry,
     Format,
@@ -285,11 +286,18 @@ def _inverse(axes: Sequence[int]) -> tuple[int, ...]:
 
 
 def _to_stored(arr: Any, axes: Sequence[int] | None) -> np.ndarray:
-    """A Flax-orientation array in cl-waffe2's orientation (jit transpose), on the host."""
+    """A Flax-orientation array in cl-waffe2's orientation, on the host.
+
+    A numpy array on a CPU backend becomes a transposed *view*: :func:`encode`
+    writes it band by band (:func:`_npy_chunks`), so a save never holds a
+    transposed copy of the tree.  Anything else goes through the jit transpose.
+    """
     from .. import quant
 
     if axes is None or np.ndim(arr) != len(axes):
         return np.asarray(arr)
+    if isinstance(arr, np.ndarray) and quant.on_cpu():
+        return arr.transpose(tuple(int(a) for a in axes))
     return quant.transpose(arr, axes)
 
 
@@ -481,7 +489,7 @@ def _tensor_data(value: Any, where: str) -> np.ndarray:
     why = dtypes.check_plain(arr.dtype)
     if why is not None:
         raise EncodeError(why, key_path=where)
-    return dtypes.c_order(arr)
+    return dtypes.little_endian(arr)  # a strided view is written band by band, not copied whole
 
 
 @dataclass
@@ -580,7 +588,7 @@ def encode(
     params_json = body.encode("utf-8", "surrogatepass")
     files: dict[str, Encoded] = {PARAMETERS: Encoded(chunks=(params_json,))}
     for name, arr in written.files.items():
-        files[name] = Encoded(chunks=tuple(npy.encode_npy(arr)))
+        files[name] = Encoded(chunks=_npy_chunks(arr))
     keep = bool(written.shapes) or bool(
         meta
         and (meta.get("layers") or meta.get("step") is not None or meta.get("count") is not None)
@@ -588,6 +596,39 @@ def encode(
     if sidecar or (sidecar is None and keep):
         files[SIDECAR] = Encoded(chunks=(_sidecar_bytes(params_json, written, meta),))
     return Encoded(files=files)
+
+
+#: Bytes of one band of a strided array's data, copied into C order when it is written.
+_BAND_BYTES = 4 << 20
+
+
+def _npy_chunks(arr: np.ndarray) -> tuple[Any, ...]:
+    """The ``.npy`` of ``arr`` flattened (1-D, C order), its data streamed from the array.
+
+    A C-contiguous array is written from its own memory.  A strided one (a
+    transposed view) is copied into C order band by band as the file is
+    written (:class:`~pytreeio.registry.Deferred` chunks of about
+    :data:`_BAND_BYTES`): no transposed copy of the whole array exists.
+    """
+    if arr.flags.c_contiguous or arr.ndim == 0:
+        return tuple(npy.encode_npy(arr.reshape(-1)))
+    from .. import quant
+
+    header = npy.npy_header(arr.dtype, (int(arr.size),))
+    row_bytes = arr.nbytes // arr.shape[0]
+    step = max(1, _BAND_BYTES // max(1, row_bytes))
+
+    def band(start: int) -> Deferred:
+        part = arr[start : start + step]
+
+        def produce() -> Any:
+            out = np.empty(part.shape, part.dtype)
+            quant.copy_transposed(part, out)
+            return out.reshape(-1).view(np.uint8)
+
+        return Deferred(part.nbytes, produce)
+
+    return (header, *(band(i) for i in range(0, arr.shape[0], step)))
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
@@ -630,7 +671,7 @@ def _write_entry(
         SIDECAR,
     ):
         raise EncodeError(f"file name {name!r} is too long or reserved", key_path=where)
-    out.files[name] = arr.reshape(-1)
+    out.files[name] = arr
     if arr.ndim != 1:
         out.shapes[key] = [int(d) for d in arr.shape]
     path = name if prefix is None else f"{prefix}/{name}"
@@ -1602,7 +1643,9 @@ def from_model(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A model as a waffe2 native tree (+ meta with the key order and layer list).
 
-    Kernels are transposed to cl-waffe2's orientation (a jit transpose).  With
+    Kernels are transposed to cl-waffe2's orientation (numpy arrays on a CPU
+    backend as views, copied band by band when written; others by a jit
+    transpose).  With
     ``optimizers=True`` an ``adam`` or ``sgd`` optimizer state (``adamw``
     without a recorded weight decay: Adam's data) is written as cl-waffe2's
     entries; hyperparameters come from the state (``inject_hyperparams``, a

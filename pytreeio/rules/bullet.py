@@ -20,12 +20,16 @@ it as an ``adamw`` state (``mu`` = momentum, ``nu`` = velocity, ``count`` =
 the steps taken, kept for ``step.txt`` and never used by the update), and a
 checkpoint restores into either optimizer.
 
-Compilers contract ``a*b + c`` into a fused multiply-add (XLA does on CPU
-and GPU), which rounds once instead of twice and so is not bullet's float32
+Compilers contract ``a*b + c`` into a fused multiply-add (XLA's CPU
+backend does), which rounds once instead of twice and so is not bullet's float32
 rule.  Every product that feeds an addition therefore passes through
 :func:`_rounded`, an integer no-op on its bits that XLA cannot see through
 (it is OR-ed with a zero known only at run time), so each operation rounds
 exactly as written; the tests check the moments bit for bit against numpy.
+(XLA's GPU backend did not contract at all when measured, jax 0.11 on an
+H100; the barrier keeps the rule exact should it start to.)  The division
+and square root go through :mod:`pytreeio.rules._ieee`, correctly rounded on
+GPU too, where XLA's own float32 ``/`` and ``sqrt`` are approximations.
 
 optax applies updates additively (``p + u``).  The update returned is
 ``p_new - p`` in float32, and ``p + (p_new - p)`` is ``p_new`` exactly
@@ -40,6 +44,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from typing import Any
+
+from . import _ieee
 
 __all__ = ["bullet_adamw", "EPSILON"]
 
@@ -105,7 +111,7 @@ def bullet_adamw(
         p_new = r(p * (one - r(jnp.asarray(decay, dt) * lr_)))
         m = r(b1 * m) + r((one - b1) * g)
         v = r(b2 * v) + r(((one - b2) * g) * g)
-        p_new = p_new - lr_ * m / (jnp.sqrt(v) + jnp.asarray(EPSILON, dt))
+        p_new = p_new - _ieee.div(lr_ * m, _ieee.sqrt(v) + jnp.asarray(EPSILON, dt))
         p_new = jnp.clip(p_new, -jnp.asarray(clip, dt), jnp.asarray(clip, dt))
         return p_new - p, m, v
 

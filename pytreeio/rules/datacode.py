@@ -64,6 +64,7 @@ import numpy as np
 
 from ..errors import MismatchError
 from ..serde_json import widen_f32
+from . import _ieee
 
 __all__ = [
     "LOSSES",
@@ -254,7 +255,9 @@ def _zeros(params: Any) -> Any:
 # operation is rounded on its own.  The -0.0 is ``lr * -0.0``:
 # inject_hyperparams passes lr as a traced array, so it is not a compile-time
 # constant even under jax.jit.  A scalar divisor becomes the array
-# ``s + x*(-0.0)`` (equal to s), which XLA must really divide by.
+# ``s + x*(-0.0)`` (equal to s), which XLA must really divide by.  Division,
+# square root and ``beta**t`` go through ``_ieee``: XLA's GPU backend
+# approximates all three in f32, so there they run in f64 and round once.
 
 
 class _Exact:
@@ -273,15 +276,13 @@ class _Exact:
         return self.r(a + b)
 
     def div(self, a: Any, b: Any) -> Any:
-        return self.r(a / b)
+        return self.r(_ieee.div(a, b))
 
     def div_scalar(self, x: Any, s: Any) -> Any:
-        return self.r(x / (s + x * self.nz))
+        return self.r(_ieee.div(x, s + x * self.nz))
 
     def sqrt(self, x: Any) -> Any:
-        import jax.numpy as jnp
-
-        return self.r(jnp.sqrt(x))
+        return self.r(_ieee.sqrt(x))
 
     def neg(self, x: Any) -> Any:
         return self.r(-x)
@@ -389,7 +390,7 @@ def _corrections(count: Any, beta1: Any, beta2: Any) -> tuple[Any, Any]:
     import jax.numpy as jnp
 
     t = count.astype(jnp.float32)  # DataCode: beta.powf(step_count as f32)
-    return 1 - beta1**t, 1 - beta2**t
+    return 1 - _ieee.libm_powf(beta1, t), 1 - _ieee.libm_powf(beta2, t)
 
 
 def _adam_like(lr: Any, beta1: Any, beta2: Any, epsilon: Any, weight_decay: Any) -> Any:
@@ -452,8 +453,8 @@ def _clipped(g: Any, x: _Exact) -> tuple[Any, Any]:
     import jax.numpy as jnp
 
     finite = jnp.all(jnp.isfinite(g))
-    norm = jnp.sqrt(jnp.sum(g * g))
-    return jnp.where(norm > 1, x.mul(g, 1 / norm), g), finite
+    norm = _ieee.sqrt(jnp.sum(g * g))
+    return jnp.where(norm > 1, x.mul(g, _ieee.div(1, norm)), g), finite
 
 
 def _keep(step: Any, finite: Any, param: Any) -> Any:

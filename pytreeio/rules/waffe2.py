@@ -17,14 +17,17 @@ hyperparameter names (``learning_rate``, ``b1``, ``b2``, ``eps``), so
 optax Adam, hyperparameters included, and the ``waffe2`` format reads and
 writes it as cl-waffe2's ``lr``, ``eps``, ``beta1``, ``beta2``, ``n``, ``m``, ``v``.
 
-``beta^n`` is computed in float32 (SBCL computes it in double-float and
-rounds; the two agree to within an ulp of ``beta^n``).  jax and optax are
-imported when a transformation is built.
+``beta^n`` is computed in double precision and rounded to single, as SBCL
+does, and every division and square root is correctly rounded on CPU and GPU
+alike (:mod:`pytreeio.rules._ieee`), so the step is cl-waffe2's bit for bit.
+jax and optax are imported when a transformation is built.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from . import _ieee
 
 __all__ = ["waffe2_adam", "scale_by_waffe2_adam"]
 
@@ -32,8 +35,8 @@ __all__ = ["waffe2_adam", "scale_by_waffe2_adam"]
 def _rounded(x: Any) -> Any:
     """``x``, rounded to its dtype before any later addition.
 
-    XLA's CPU and GPU backends contract ``a * b + c`` into one fused
-    multiply-add, which rounds once where cl-waffe2 (a ``!mul`` node, then an
+    XLA's CPU backend contracts ``a * b + c`` into one fused multiply-add
+    (its GPU backend did not when measured, but may), which rounds once where cl-waffe2 (a ``!mul`` node, then an
     in-place ``A+=B``) rounds twice; after cancellation the results differ by
     hundreds of ulps.  ``nextafter(x, x)`` is ``x`` exactly, and the compiler
     cannot look through it, so the product is rounded on its own.
@@ -77,10 +80,10 @@ def scale_by_waffe2_adam(learning_rate: Any, b1: Any, b2: Any, eps: Any) -> Any:
 
         def delta(m: Any, v: Any) -> Any:
             n = count.astype(m.dtype)
-            lr_t = cast(learning_rate, m) * (
-                jnp.sqrt(1 - cast(b2, m) ** n) / (1 - cast(b1, m) ** n)
-            )
-            return -((m * lr_t) / (cast(eps, m) + jnp.sqrt(v)))
+            correction2 = 1 - _ieee.power(cast(b2, m), n)
+            correction1 = 1 - _ieee.power(cast(b1, m), n)
+            lr_t = cast(learning_rate, m) * _ieee.div(_ieee.sqrt(correction2), correction1)
+            return -_ieee.div(m * lr_t, cast(eps, m) + _ieee.sqrt(v))
 
         mu = jax.tree_util.tree_map(moment_m, updates, state.mu)
         nu = jax.tree_util.tree_map(moment_v, updates, state.nu)
