@@ -13,8 +13,16 @@ and its fsyncs then run on a background thread; the returned
 Ordering: saves to one destination (async or :func:`pytreeio.save`, same
 resolved path) happen in the order they were made; each waits for the one
 before it.  Across processes the destination's file lock serialises saves
-as it does for synchronous ones.  Each pending save holds its snapshot (about
-the tree's size) until it is written.
+as it does for synchronous ones.
+
+Memory: each pending save holds its snapshot (about the tree's size) until it
+is written.  Together they are bounded: a ``save_async`` whose snapshot would
+take the bytes held by pending saves past ``max_pending_bytes`` (by default
+:data:`MAX_PENDING_BYTES`) waits, before copying anything, until enough of
+them are written; one larger than the bound waits until none is pending, then
+goes ahead alone.  So snapshots hold at most ``max(max_pending_bytes, the
+largest snapshot)`` bytes, and a training loop that saves faster than the disk
+writes slows down to the disk's pace instead of filling memory.
 
 :func:`wait_saves` waits for every pending save; it also runs at interpreter
 exit, so a program that ends right after ``save_async`` still writes its last
@@ -38,7 +46,8 @@ import numpy as np
 
 from . import io
 from .binary import as_memoryview
-from .registry import Encoded, Format
+from .errors import EncodeError
+from .registry import Deferred, Encoded, Format
 
 __all__ = ["SaveFuture", "save_async", "wait_saves", "wait_for"]
 
@@ -49,6 +58,8 @@ _WORKERS = 2
 #: Snapshots at least this large are copied by several threads, in blocks.
 _PARALLEL_COPY_MIN = 64 << 20
 _COPY_BLOCK = 16 << 20
+#: The default bound on the bytes that pending saves' snapshots hold (see the module docstring).
+MAX_PENDING_BYTES = 4 << 30
 
 
 class SaveFuture(Future[None]):
@@ -84,6 +95,8 @@ _lock = threading.Lock()
 _newest: dict[str, SaveFuture] = {}  # the last save submitted, per destination
 _unsettled: set[SaveFuture] = set()  # running, or failed and not yet looked at
 _executor: ThreadPoolExecutor | None = None
+_room = threading.Condition(_lock)  # notified whenever a save's snapshot is released
+_pending_bytes = 0  # held by the snapshots of saves not yet written
 
 
 def _get_executor() -> ThreadPoolExecutor:
@@ -150,24 +163,52 @@ def _snapshot(encoded: Encoded) -> Encoded:
     """``encoded`` with every buffer it borrows copied into memory of its own.
 
     ``bytes`` chunks are immutable and kept; the rest (views of the caller's
-    arrays, or of host copies of jax arrays) are copied into one allocation.
+    arrays, or of host copies of jax arrays) are copied into one allocation
+    per file.  :class:`~pytreeio.registry.Deferred` chunks (the shards of an
+    array spread over several devices, streamed tensors) read the caller's
+    arrays, so they are produced now, in file order (checksums of streamed
+    data are taken as it comes), each copied into the allocation and dropped
+    before the next; ``late`` ones (a header recording checksums of the data
+    before it) stay deferred and are produced by the write, after the rest.
+    The orbax handler takes its snapshots with this too.
     """
     if encoded.files is not None:
         files = {k: _snapshot(v) for k, v in encoded.files.items()}
         return Encoded(files=files, deferred=encoded.deferred, strict=encoded.strict)
-    views = [None if type(c) is bytes else as_memoryview(c) for c in encoded.chunks]
-    total = sum(len(v) for v in views if v is not None)
-    store = np.empty(total, dtype=np.uint8)  # uninitialised: each page is written once
+    # per chunk: kept as is (None), or its size in the allocation
+    sizes: list[int | None] = []
+    views: list[memoryview | None] = []
+    for c in encoded.chunks:
+        if type(c) is bytes or (isinstance(c, Deferred) and c.late):
+            sizes.append(None)
+            views.append(None)
+        elif isinstance(c, Deferred):
+            sizes.append(c.nbytes)
+            views.append(None)
+        else:
+            borrowed = as_memoryview(c)
+            sizes.append(len(borrowed))
+            views.append(borrowed)
+    store = np.empty(sum(n for n in sizes if n is not None), dtype=np.uint8)  # uninitialised
     chunks: list[Any] = []
     copies: list[tuple[memoryview, int]] = []
     pos = 0
-    for chunk, view in zip(encoded.chunks, views):
-        if view is None:
+    for chunk, size, view in zip(encoded.chunks, sizes, views):
+        if size is None:
             chunks.append(chunk)
             continue
-        chunks.append(store.data[pos : pos + len(view)])
-        copies.append((view, pos))
-        pos += len(view)
+        if view is not None:
+            copies.append((view, pos))
+        else:  # a Deferred: its bytes now, then they go
+            data = as_memoryview(chunk.produce())
+            if len(data) != size:
+                raise EncodeError(
+                    f"a deferred chunk produced {len(data)} bytes where {size} were declared"
+                )
+            store[pos : pos + size] = np.frombuffer(data, dtype=np.uint8)
+            del data
+        chunks.append(store.data[pos : pos + size])
+        pos += size
     _copy_into(store, copies)
     return Encoded(chunks=tuple(chunks), deferred=encoded.deferred, strict=encoded.strict)
 
@@ -196,6 +237,31 @@ def _copy_into(store: np.ndarray, copies: list[tuple[memoryview, int]]) -> None:
         pass
 
 
+def _reserve(nbytes: int, limit: int) -> None:
+    """Wait until a snapshot of ``nbytes`` fits under ``limit`` beside the pending ones; count it.
+
+    One larger than ``limit`` waits until nothing is pending (it could never fit).
+    """
+    global _pending_bytes
+    with _room:
+        while _pending_bytes and _pending_bytes + nbytes > limit:
+            _room.wait()
+        _pending_bytes += nbytes
+
+
+def _release_bytes(nbytes: int) -> None:
+    global _pending_bytes
+    with _room:
+        _pending_bytes -= nbytes
+        _room.notify_all()
+
+
+def pending_bytes() -> int:
+    """Bytes the snapshots of pending saves hold now (what ``max_pending_bytes`` bounds)."""
+    with _lock:
+        return _pending_bytes
+
+
 def _write(
     future: SaveFuture,
     before: SaveFuture | None,
@@ -203,6 +269,7 @@ def _write(
     encoded: Encoded,
     fmt: Format,
     durable: bool,
+    reserved: int,
 ) -> None:
     from .api import _deliver_deferred
 
@@ -218,6 +285,7 @@ def _write(
         future.set_result(None)
     finally:
         del encoded  # the snapshot goes now, not when the future does
+        _release_bytes(reserved)
         with _lock:
             if _newest.get(future.path) is future:
                 del _newest[future.path]
@@ -232,6 +300,7 @@ def save_async(
     *,
     meta: Mapping[str, Any] | None = None,
     durable: bool = True,
+    max_pending_bytes: int | None = None,
     **options: Any,
 ) -> SaveFuture:
     """:func:`pytreeio.save` whose write and fsyncs run in the background.
@@ -243,13 +312,30 @@ def save_async(
     errors of the write (``OSError``, a full disk) raise from the returned
     future's ``result()``.  Saves to the same destination, asynchronous or
     not, happen in the order they were made.  Same arguments as
-    :func:`pytreeio.save`.
+    :func:`pytreeio.save`, and:
+
+    ``max_pending_bytes``: a bound on the memory the snapshots of pending
+    saves hold (this one's included); ``None`` takes :data:`MAX_PENDING_BYTES`
+    (4 GiB).  When this save's snapshot would go past it, the call waits,
+    after encoding and before copying anything, until enough earlier saves are
+    written; a snapshot larger than the bound waits until no save is pending.
+    ``0`` makes each call wait for every earlier save (one snapshot at a time).
     """
     from .api import _encode, _format_for_save
 
+    limit = MAX_PENDING_BYTES if max_pending_bytes is None else max_pending_bytes
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        raise ValueError(f"max_pending_bytes must be an int >= 0, not {max_pending_bytes!r}")
     fmt = _format_for_save(path, format)
     _start_host_copies(tree)
-    encoded = _snapshot(_encode(fmt, tree, meta, options, path))
+    encoded = _encode(fmt, tree, meta, options, path)
+    reserved = encoded.nbytes
+    _reserve(reserved, limit)
+    try:
+        encoded = _snapshot(encoded)
+    except BaseException:
+        _release_bytes(reserved)
+        raise
     key = _dest_key(path)
     future = SaveFuture(key)
     executor = _get_executor()
@@ -258,8 +344,9 @@ def save_async(
         _newest[key] = future
         _unsettled.add(future)
     try:
-        executor.submit(_write, future, before, path, encoded, fmt, durable)
+        executor.submit(_write, future, before, path, encoded, fmt, durable, reserved)
     except BaseException:  # interpreter shutting down: nothing will run it
+        _release_bytes(reserved)
         with _lock:
             _unsettled.discard(future)
             if _newest.get(key) is future:

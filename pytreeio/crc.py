@@ -4,7 +4,8 @@ A ZIP member's CRC-32 is one sequential value over its bytes, yet it can be
 computed in parallel: ``crc(A + B)`` follows from ``crc(A)``, ``crc(B)`` and
 ``len(B)`` alone (:func:`combine`).  :func:`crc32_many` splits every buffer
 into pieces of at most :data:`PIECE` bytes, hashes the pieces on a thread pool
-(the hash releases the GIL) and combines them per buffer.
+(the hash releases the GIL) and combines them per buffer; :func:`crc32_start`
+does the same in the background while the caller goes on (writes the bytes).
 
 The hash is ISA-L's carry-less-multiply CRC (``isal``, several times faster
 than zlib's table-driven one); where that package cannot be installed, zlib's
@@ -23,7 +24,7 @@ from typing import Any
 
 from .binary import Buffer, as_memoryview
 
-__all__ = ["crc32", "combine", "crc32_many", "PIECE"]
+__all__ = ["crc32", "combine", "crc32_many", "crc32_start", "combine_all", "PIECE"]
 
 #: Bytes hashed per task: large enough that scheduling costs nothing, small enough to spread.
 PIECE = 4 << 20
@@ -107,6 +108,11 @@ def _gf2_combine(crc1: int, crc2: int, len2: int) -> int:
 # --------------------------------------------------------------------------
 
 
+def pool() -> ThreadPoolExecutor:
+    """The thread pool the hashes run on (one thread per core, up to eight), for work that hashes."""
+    return _get_pool()
+
+
 def _get_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
@@ -156,3 +162,39 @@ def crc32_many(buffers: Sequence[Sequence[Buffer]]) -> list[int]:
             value = comb(value, c, len(piece))
         out.append(value)
     return out
+
+
+def combine_all(parts: Sequence[tuple[int, int]]) -> int:
+    """The CRC-32 of consecutive pieces given as ``(crc, length)`` in order."""
+    comb = _backend()[1]
+    value = 0
+    for c, n in parts:
+        value = comb(value, c, n)
+    return value
+
+
+def crc32_start(chunks: Sequence[Buffer]) -> Callable[[], int]:
+    """Start hashing the concatenation of ``chunks``; the returned call waits for its CRC-32.
+
+    One task on the thread pool hashes the chunks in order (the hash
+    releases the GIL), so the caller can do other work on the same bytes
+    meanwhile: a save writes a member's data while its checksum, which the
+    header records, is taken.  One task, not one per piece: a single core
+    hashes several times faster than a file is written, and every hand-off
+    to a pool thread costs the caller a GIL switch.  Inputs below two pieces
+    are hashed here and now.
+    """
+    views = [as_memoryview(c) for c in chunks]
+    if sum(len(v) for v in views) < _PARALLEL_MIN:
+        value = _sequential(views)
+        return lambda: value
+    future = _get_pool().submit(_sequential, views)
+    return future.result
+
+
+def _sequential(views: Sequence[memoryview]) -> int:
+    hash_ = _backend()[0]
+    value = 0
+    for v in views:
+        value = hash_(v, value)
+    return value

@@ -89,6 +89,7 @@ import mmap as _mmap
 import os
 import re
 import stat
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -102,7 +103,7 @@ from .errors import EncodeError, FormatError
 from .registry import Deferred, Directory, Encoded, File, Layout, Probe, Siblings
 
 if TYPE_CHECKING:  # concurrent.futures is imported by the first parallel read (import time)
-    from concurrent.futures import Future, ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor
 
 try:
     import fcntl
@@ -191,7 +192,7 @@ def _resolve(path: Path) -> Path:
 # --------------------------------------------------------------------------
 
 
-def _write_chunks(fd: int, chunks: Sequence[Buffer]) -> None:
+def _write_chunks(fd: int, chunks: Sequence[Buffer], writeback: _Writeback | None = None) -> None:
     """Write ``chunks`` in order; :class:`Deferred` ones are produced one at a time.
 
     A deferred chunk's buffer is dropped before the next is produced (a
@@ -208,11 +209,11 @@ def _write_chunks(fd: int, chunks: Sequence[Buffer]) -> None:
                 os.lseek(fd, at, os.SEEK_SET)
                 continue
             chunk = _produced(chunk)
-        _write_at(fd, as_memoryview(chunk), None)
+        _write_at(fd, as_memoryview(chunk), None, writeback)
         at += len(as_memoryview(chunk))
         del chunk  # a produced tensor goes before the next is read
     for offset, deferred in late:
-        _write_at(fd, as_memoryview(_produced(deferred)), offset)
+        _write_at(fd, as_memoryview(_produced(deferred)), offset, writeback)
 
 
 def _produced(chunk: Deferred) -> Buffer:
@@ -223,13 +224,65 @@ def _produced(chunk: Deferred) -> Buffer:
     return data
 
 
-def _write_at(fd: int, view: memoryview, offset: int | None) -> None:
+def _write_at(
+    fd: int, view: memoryview, offset: int | None, writeback: _Writeback | None = None
+) -> None:
     """All of ``view``, at the file position (``offset=None``) or with pwrite at ``offset``."""
     n = len(view)
     pos = 0
+    step = _MAX_WRITE if writeback is None else _WRITEBACK_EVERY
     while pos < n:
-        part = view[pos : pos + _MAX_WRITE]
+        part = view[pos : pos + step]
         pos += os.write(fd, part) if offset is None else os.pwrite(fd, part, offset + pos)
+        if writeback is not None:
+            writeback.wrote(len(part))
+
+
+#: Bytes a durable write leaves dirty before it starts their write-out (see _Writeback).
+_WRITEBACK_EVERY = 32 << 20
+#: libc's sync_file_range (Linux), looked up on the first durable write; None elsewhere.
+_SYNC_FILE_RANGE: list[Any] = []
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start write-out of dirty pages, do not wait
+
+
+class _Writeback:
+    """Starts the kernel's write-out of a durable file's pages while it is being written.
+
+    Every ``_WRITEBACK_EVERY`` bytes, ``sync_file_range(SYNC_FILE_RANGE_WRITE)``
+    over the whole file submits the dirty pages not yet submitted and returns
+    at once, so the disk works while the rest is written and the final fsync
+    (which alone is the durability guarantee) waits for less.  Python's os
+    module has no sync_file_range: it is called through ctypes on Linux and
+    skipped elsewhere, and any failure of it is ignored (it is only a hint).
+    """
+
+    __slots__ = ("fd", "pending")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pending = 0
+
+    def wrote(self, n: int) -> None:
+        self.pending += n
+        if self.pending >= _WRITEBACK_EVERY:
+            self.pending = 0
+            fn = _sync_file_range()
+            if fn is not None:
+                fn(self.fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # offset 0, length 0: the whole file
+
+
+def _sync_file_range() -> Any:
+    if not _SYNC_FILE_RANGE:
+        fn = None
+        if sys.platform.startswith("linux"):
+            with contextlib.suppress(OSError, AttributeError):
+                import ctypes
+
+                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+                fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+                fn.restype = ctypes.c_int
+        _SYNC_FILE_RANGE.append(fn)
+    return _SYNC_FILE_RANGE[0]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -245,7 +298,7 @@ def _write_new_file(path: Path, encoded: Encoded, durable: bool, mode: int | Non
     try:
         if mode is not None:
             os.fchmod(fd, mode)
-        _write_chunks(fd, encoded.chunks)
+        _write_chunks(fd, encoded.chunks, _Writeback(fd) if durable else None)
         if durable:
             os.fsync(fd)
     finally:
@@ -926,27 +979,7 @@ def _read_fd(fd: int, name: str, mmap: bool) -> memoryview:
     # np.empty leaves the pages untouched until the reads fill them
     # (bytearray(size) would zero-fill them first).
     view = np.empty(size, dtype=np.uint8).data
-    if size < _PARALLEL_MIN:
-        _read_range(fd, view, 0, size, name)
-        return view
-    from concurrent.futures import FIRST_EXCEPTION
-    from concurrent.futures import wait as _wait
-
-    pool = _get_pool()
-    jobs: list[Future[None]] = [
-        pool.submit(_read_range, fd, view, start, min(start + _PARALLEL_BLOCK, size), name)
-        for start in range(0, size, _PARALLEL_BLOCK)
-    ]
-    try:
-        _wait(jobs, return_when=FIRST_EXCEPTION)
-    finally:
-        # Whatever happened, no job may still use the descriptor (or the
-        # buffer) once we return: drop those not started, wait for the rest.
-        for job in jobs:
-            job.cancel()
-        _wait(jobs)
-    for job in jobs:
-        job.result()
+    _read_ranges(fd, view, 0, name)
     return view
 
 
@@ -956,30 +989,32 @@ def _read_ranges(fd: int, view: memoryview, file_offset: int, name: str) -> None
     if size < _PARALLEL_MIN:
         _read_range(fd, view, 0, size, name, file_offset=file_offset)
         return
+    run_all(
+        _get_pool(),
+        lambda start: _read_range(
+            fd, view, start, min(start + _PARALLEL_BLOCK, size), name, file_offset=file_offset
+        ),
+        range(0, size, _PARALLEL_BLOCK),
+    )
+
+
+def run_all(pool: ThreadPoolExecutor, fn: Callable[[Any], T], jobs: Iterable[Any]) -> list[T]:
+    """``[fn(job) for job in jobs]`` run on ``pool``; the first failure raises once none runs.
+
+    Whatever happens, no job still uses a caller's descriptor or buffer when
+    this returns or raises: jobs not started are dropped, the rest waited for.
+    """
     from concurrent.futures import FIRST_EXCEPTION
     from concurrent.futures import wait as _wait
 
-    pool = _get_pool()
-    jobs: list[Future[None]] = [
-        pool.submit(
-            _read_range,
-            fd,
-            view,
-            start,
-            min(start + _PARALLEL_BLOCK, size),
-            name,
-            file_offset=file_offset,
-        )
-        for start in range(0, size, _PARALLEL_BLOCK)
-    ]
+    futures = [pool.submit(fn, job) for job in jobs]
     try:
-        _wait(jobs, return_when=FIRST_EXCEPTION)
+        _wait(futures, return_when=FIRST_EXCEPTION)
     finally:
-        for job in jobs:  # no job may use the descriptor or buffer once we return
-            job.cancel()
-        _wait(jobs)
-    for job in jobs:
-        job.result()
+        for f in futures:
+            f.cancel()
+        _wait(futures)
+    return [f.result() for f in futures]
 
 
 def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> memoryview:
@@ -1129,6 +1164,23 @@ class FileSet(Mapping[str, Any]):
             finally:
                 os.close(fd)
         return FileSource(path) if self._headers else read_file(path, mmap=self._mmap)
+
+    def ranges(self, name: str) -> FileSource | None:
+        """Role ``name`` as a :class:`FileSource` for a format that reads the file itself (fusing
+        a check into the read), or None where the set maps its files (``mmap=True``)."""
+        if self._mmap:
+            return None
+        path = self.paths[name]
+        fd = self._fds.get(name)
+        if fd is not None:
+            return FileSource(path, fd=os.dup(fd))
+        if self._dir_fd is not None:
+            try:
+                fd = os.open(name, os.O_RDONLY | _O_CLOEXEC, dir_fd=self._dir_fd)
+            except OSError as exc:
+                raise type(exc)(exc.errno, exc.strerror, os.fspath(path)) from None
+            return FileSource(path, fd=fd)
+        return FileSource(path)
 
     def __contains__(self, name: object) -> bool:  # Mapping's default would read the file
         return name in self.paths

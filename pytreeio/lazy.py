@@ -12,6 +12,9 @@ The files are opened once, under the same shared lock and journal recovery as
 :meth:`Checkpoint.close`: a save that replaces the checkpoint meanwhile is not
 seen, so a view never mixes an old file with a new one.
 
+``open(path, verify=True)`` checks what the checkpoint records about the
+bytes it reads (see :func:`open` for what, per format).
+
 ``load(path, like=subtree, partial=True)`` goes through the same view: with a
 ``slots`` function and a native-shaped ``like`` only the entries ``like``
 names are read.  Model-shaped ``like`` trees restored through a model format's
@@ -138,16 +141,32 @@ class Checkpoint(Mapping[str, Any]):
     ``decode`` returns them).
     """
 
-    def __init__(self, path: PathLike, format: str | Format | None, options: Mapping[str, Any]):
+    def __init__(
+        self,
+        path: PathLike,
+        format: str | Format | None,
+        options: Mapping[str, Any],
+        verify: bool = False,
+    ):
         self.path = os.fspath(path)
         self._closed = True
         fmt = api._format_for_load(path, format)
         fmt.check_options(options, "load")
         self._fmt = fmt
-        self._options = dict(options)
+        #: Whether reads are checked (see :func:`open`).
+        self.verify = bool(verify)
+        self._options = {**options, **_verify_options(fmt, options)} if verify else dict(options)
         opened = io.open_source(path, fmt.layout, headers=True)
         self._source: Any = _Sources(opened) if isinstance(opened, io.FileSet) else opened
         self._closed = False
+        if verify:
+            from . import checksum
+
+            try:
+                checksum.check_manifest(path, fmt)  # every file read once, if it has a manifest
+            except BaseException:
+                self.close()
+                raise
         self._info: Info | None = None
         self._tree: Any = MISSING
         self._meta: dict[str, Any] = {}
@@ -329,6 +348,19 @@ class Checkpoint(Mapping[str, Any]):
         return f"<pytreeio.Checkpoint {self.path!r} ({self._fmt.name}, {state})>"
 
 
+def _verify_options(fmt: Format, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The load options that make ``fmt``'s ``slots``/``decode`` check what its files record."""
+    out: dict[str, Any] = {}
+    accepted = fmt.load_options
+    if "verify" in accepted:  # safetensors' checksums, bullet's own checks
+        out["verify"] = True
+    if "verify_crc" in accepted:  # npz members' CRC-32 (the netcl formats)
+        if options.get("verify_crc") is False:
+            raise TypeError("verify=True checks the npz CRCs: it contradicts verify_crc=False")
+        out["verify_crc"] = True
+    return out
+
+
 def _missing(key: str, entries: Mapping[str, Any]) -> str:
     import difflib
 
@@ -337,7 +369,9 @@ def _missing(key: str, entries: Mapping[str, Any]) -> str:
     return f"no entry {key!r} in the checkpoint ({len(entries)} entries{hint})"
 
 
-def open(path: PathLike, format: str | Format | None = None, **options: Any) -> Checkpoint:
+def open(
+    path: PathLike, format: str | Format | None = None, *, verify: bool = False, **options: Any
+) -> Checkpoint:
     """A lazy view of the checkpoint at ``path`` (use as a context manager).
 
     ``format`` and ``options`` are those of ``load``.  Nothing but headers is
@@ -347,10 +381,31 @@ def open(path: PathLike, format: str | Format | None = None, **options: Any) -> 
     whose modules add one) read only the requested tensors' bytes; the others
     decode the whole checkpoint on first access.
 
+    ``verify=True`` checks what the checkpoint records about its bytes, as
+    ``load(..., verify=True)`` does, for the bytes a view reads:
+
+    * pytreeio's safetensors files: each tensor read is hashed and compared
+      with its recorded xxh3_64 checksum (a sharded ``like`` then reads whole
+      tensors, not just each device's slice: a checksum covers a whole
+      tensor).  Files from other tools record none: nothing to compare.
+    * npz members (netcl, netcl-checkpoint, netcl-params): each member read
+      is read whole and its CRC-32 checked (these formats do so by default;
+      ``verify=True`` refuses ``verify_crc=False``).
+    * formats whose ``decode``/``slots`` take a ``verify`` option (bullet):
+      it is passed on, with what it checks.
+    * the checkpoint's manifest (:mod:`pytreeio.checksum`), if it has one:
+      every file is hashed when the view opens (read once, whole).
+
+    A mismatch raises :class:`FormatError` naming the file, the tensor
+    (``field``) and its data ``offset`` (a manifest mismatch: the file).
+    A format that records nothing about its data (msgpack, Tiny Llama, ...
+    with no manifest) has nothing more to check; its framing is checked on
+    every read, with or without ``verify``.
+
     Raises as ``load`` does: ``FileNotFoundError``, :class:`UnknownFormatError`,
     :class:`FormatError` for malformed headers (tensor data is checked when read).
     """
-    return Checkpoint(path, format, options)
+    return Checkpoint(path, format, options, verify)
 
 
 def load_partial(

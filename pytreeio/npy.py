@@ -40,7 +40,7 @@ from __future__ import annotations
 import ast
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -321,21 +321,32 @@ def read_npz(
 ) -> dict[str, np.ndarray]:
     """Every array of an ``.npz`` archive, by name without ``.npy``, in archive order.
 
-    Stored members come back as read-only views of ``source`` (no copy).
-    Deflated members together may inflate to at most ``max_inflated`` bytes
-    (default: the archive's size plus :data:`pytreeio.zip.INFLATE_ALLOWANCE`).
+    Stored members come back as read-only views of ``source`` (no copy), or,
+    for a file-backed source (:class:`pytreeio.zip.RangeSource`, e.g.
+    ``io.FileSource``), of one buffer the file is read into, with the CRC-32s
+    taken as it is read (:func:`pytreeio.zip.read_archive`).  Deflated
+    members together may inflate to at most ``max_inflated`` bytes (default:
+    the archive's size plus :data:`pytreeio.zip.INFLATE_ALLOWANCE`).
     """
     src = source if isinstance(source, ByteSource) else BufferSource(source)
     allowance = _zip.default_max_inflated(src) if max_inflated is None else max_inflated
+    checked: set[str] = set()
+    ranged = callable(getattr(src, "read_into", None))
+    if ranged and src.size < _zip.FUSED_MIN:  # one read, then the directory from memory
+        src, ranged = BufferSource(src.read(0, src.size, "zip"), name=src.name), False
+    found: Sequence[_zip.ZipMember] = _zip.read_zip_directory(src)
+    keys = [_array_name(m, src) for m in found]  # every name checked before the data is read
+    if ranged:
+        fused = _zip.read_archive(src, verify_crc=verify_crc, members=found)  # type: ignore[arg-type]
+        found, src, checked = fused
     members: list[tuple[str, _zip.ZipMember, memoryview]] = []
-    for m in _zip.read_zip_directory(src):
-        key = _array_name(m, src)
+    for key, m in zip(keys, found):
         data = _zip.member_data(src, m, verify_crc=False, max_inflated=allowance)
         if m.method == _zip.DEFLATED:
             allowance -= m.size
         members.append((key, m, data))
     if verify_crc:  # every member at once, on all cores, before any of them is parsed
-        _zip.check_crcs(src, [(m, data) for _, m, data in members])
+        _zip.check_crcs(src, [(m, data) for _, m, data in members if m.name not in checked])
     out: dict[str, np.ndarray] = {}
     for key, m, data in members:
         r = _member_reader(src, m, data)
@@ -417,12 +428,14 @@ def npz_slots(
     return out
 
 
-def encode_npz(items: Iterable[tuple[str, Any]]) -> list[Buffer]:
+def encode_npz(items: Iterable[tuple[str, Any]], *, overlap: bool = False) -> list[Any]:
     """The bytes ``np.savez`` writes for these ``(name, array)`` pairs, as chunks.
 
     Byte-identical to ``np.savez(file, **dict(items))`` on a seekable file
     (Python's ``zipfile``, numpy's ``force_zip64=True``, fixed 1980 timestamp).
-    Array data is referenced, not copied; each member's CRC-32 is computed here.
+    Array data is referenced, not copied.  Each member's CRC-32 is computed
+    here, or with ``overlap`` (for :mod:`pytreeio.io` writes) while large
+    members are written (:func:`pytreeio.zip.encode_stored`).
     """
 
     def members() -> Iterable[tuple[str, list[Buffer]]]:
@@ -434,7 +447,7 @@ def encode_npz(items: Iterable[tuple[str, Any]]) -> list[Buffer]:
             yield f"{key}.npy", chunks
 
     try:
-        return _zip.encode_stored(members())
+        return _zip.encode_stored(members(), overlap=overlap)
     except EncodeError as exc:
         key = (
             exc.key_path[: -len(".npy")]

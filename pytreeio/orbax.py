@@ -20,6 +20,9 @@ writes::
                          pair for netcl-checkpoint)
     pytreeio.json        {"version": 1, "format": ..., "layout": "single", "path": ...}
 
+and nothing else: the lock files pytreeio's atomic writes take are removed
+once the item is written (orbax gives each item directory one writer).
+
 ``pytreeio.json`` is the item's metadata: restore reads the format from it,
 and ``CheckpointManager.item_metadata(step)`` returns the checkpoint's
 :class:`pytreeio.Info` (headers only).
@@ -57,15 +60,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import future as ocp_future
 
-from . import api, io, registry
-from .binary import as_memoryview
+from . import api, async_save, io, registry
 from .errors import EncodeError, FormatError
 from .jsonsafe import loads as json_loads
-from .registry import Deferred, Encoded, Format, Info
+from .registry import Encoded, Format, Info
 
 __all__ = [
     "METADATA_NAME",
@@ -81,6 +82,8 @@ _METADATA_VERSION = 1
 #: The one layout written so far (see the module docstring).
 _SINGLE = "single"
 _STEM = "checkpoint"
+#: The suffix of io's lock files (``.<name>.pytreeio-lock``).
+_LOCK = io._LOCK_SUFFIX
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 
@@ -158,61 +161,14 @@ def _host_ready(tree: Any) -> None:
     """Refuse arrays this layout cannot write; start every device-to-host copy at once."""
     import jax
 
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    for path, leaf in leaves:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
             raise EncodeError(
                 "the array is sharded across processes; the pytreeio orbax handler writes "
                 "fully addressable arrays only (one file from the primary process)",
                 key_path=jax.tree_util.keystr(path),
             )
-    for _, leaf in leaves:
-        if isinstance(leaf, jax.Array) and not jax.dtypes.issubdtype(
-            leaf.dtype, jax.dtypes.prng_key
-        ):
-            # a deleted or donated array: encoding reports it with its key path
-            with contextlib.suppress(Exception):
-                leaf.copy_to_host_async()
-
-
-def _owned(encoded: Encoded) -> Encoded:
-    """``encoded`` with every borrowed buffer (the caller's arrays, host views) copied.
-
-    ``bytes`` chunks are immutable and kept; the rest are copied into one
-    allocation per file.  :class:`~pytreeio.registry.Deferred` chunks (the
-    shards of an array spread over several devices) are produced now, in
-    file order, since they read the caller's arrays; ``late`` ones (a header
-    recording checksums of the data before it) stay deferred and are
-    produced by the write, after the rest, as always.
-    """
-    if encoded.files is not None:
-        files = {k: _owned(v) for k, v in encoded.files.items()}
-        return Encoded(files=files, deferred=encoded.deferred, strict=encoded.strict)
-    parts: list[Any] = []
-    for chunk in encoded.chunks:
-        if isinstance(chunk, Deferred) and not chunk.late:
-            data = chunk.produce()
-            if len(as_memoryview(data)) != chunk.nbytes:
-                raise EncodeError(
-                    f"a deferred chunk produced {len(as_memoryview(data))} bytes where "
-                    f"{chunk.nbytes} were declared"
-                )
-            chunk = data
-        parts.append(chunk)
-    views = [
-        None if type(c) is bytes or isinstance(c, Deferred) else as_memoryview(c) for c in parts
-    ]
-    store = np.empty(sum(len(v) for v in views if v is not None), dtype=np.uint8)
-    chunks: list[Any] = []
-    pos = 0
-    for chunk, view in zip(parts, views):
-        if view is None:
-            chunks.append(chunk)
-            continue
-        store[pos : pos + len(view)] = np.frombuffer(view, dtype=np.uint8)
-        chunks.append(store.data[pos : pos + len(view)])
-        pos += len(view)
-    return Encoded(chunks=tuple(chunks), deferred=encoded.deferred, strict=encoded.strict)
+    async_save._start_host_copies(tree)
 
 
 def _prepare(args: PytreeioSave) -> _Pending:
@@ -227,7 +183,8 @@ def _prepare(args: PytreeioSave) -> _Pending:
     # The destination recorded by formats that keep one (cl-waffe2) is the
     # item-relative name: the temporary directory orbax writes into is renamed.
     encoded = api._encode(fmt, args.item, args.meta, dict(args.options), name)
-    return _Pending(fmt, name, _owned(encoded), args.durable)
+    # the snapshot save_async takes: borrowed buffers copied, deferred chunks produced now
+    return _Pending(fmt, name, async_save._snapshot(encoded), args.durable)
 
 
 # --------------------------------------------------------------------------
@@ -248,7 +205,24 @@ def _write(directory: Path, pending: _Pending) -> None:
     # Written last: an item with a record has its checkpoint complete.
     doc = json.dumps(record, indent=1).encode()
     io.write_file_atomic(directory / METADATA_NAME, Encoded(chunks=(doc,)), durable=pending.durable)
+    _drop_locks(directory)
     api._deliver_deferred(pending.encoded)
+
+
+def _drop_locks(directory: Path) -> None:
+    """Remove the lock files pytreeio's writes left in the item directory.
+
+    io keeps a destination's lock file for good (deleting one a rival saver
+    may have opened would let two savers both hold "the" lock); here orbax
+    gives each item directory one writer, this one, which has finished, so
+    the item holds only its checkpoint and its record.  A lock file a crash
+    leaves behind is harmless.
+    """
+    with os.scandir(directory) as entries:
+        locks = [e.path for e in entries if e.name.startswith(".") and e.name.endswith(_LOCK)]
+    for lock in locks:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
 
 
 # --------------------------------------------------------------------------

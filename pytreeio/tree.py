@@ -40,6 +40,7 @@ import numpy as np
 from . import keys as prng_keys
 from . import nnx
 from .errors import MismatchError
+from .restore_fast import same_plain_tree
 
 __all__ = [
     "flatten",
@@ -497,7 +498,18 @@ def restore(
     naming the key path.  Leaves come back as the kind ``like`` holds: numpy
     for numpy, jax arrays (on ``like``'s sharding) for jax arrays and
     ``ShapeDtypeStruct``, Python scalars for Python scalars.
+
+    Where ``native`` already is that result (nested str-keyed dicts in
+    ``like``'s key order, numpy leaves of ``like``'s shapes and dtypes) it is
+    returned itself, containers included: see :mod:`pytreeio.restore_fast`.
     """
+    if type(like) is dict and type(native) is dict and same_plain_tree(native, like):
+        return native
+    return _restore(native, like, path, convert)
+
+
+def _restore(native: Any, like: Any, path: tuple[Component, ...], convert: bool) -> Any:
+    """:func:`restore` without the whole-tree fast path (tried once, at the top)."""
     like_type = type(like)
     if like_type is np.ndarray:
         if type(native) is np.ndarray and native.shape == like.shape and native.dtype == like.dtype:
@@ -524,7 +536,7 @@ def restore(
         return (
             like
             if like is None
-            else rebuild([restore(MISSING, c, path=(*path, k)) for k, c in pairs])
+            else rebuild([_restore(MISSING, c, (*path, k), convert) for k, c in pairs])
         )
     if is_array_leaf(native) or isinstance(native, _SCALAR_TYPES):
         raise MismatchError(
@@ -540,7 +552,7 @@ def restore(
             child_native = _lookup(native, comp)
             if child_native is not MISSING:
                 consumed.add(_consumed_key(native, comp))
-            values.append(restore(child_native, child_like, path=(*path, comp), convert=convert))
+            values.append(_restore(child_native, child_like, (*path, comp), convert))
         extra = {k for k in (_native_keys(native) or set()) - consumed if _holds_data(native, k)}
         _refuse_extra(extra, path)
     except BaseException:
@@ -560,17 +572,40 @@ def _refuse_extra(extra: set[Any], path: tuple[Component, ...]) -> None:
 
 
 def _plain_keys(d: dict[Any, Any]) -> bool:
-    return all(type(k) is str for k in d)
+    # A loop, not all(genexpr): this runs once per dict of the tree, mostly on 1-3 keys.
+    for k in d:  # noqa: SIM110
+        if type(k) is not str:
+            return False
+    return True
 
 
 def _restore_plain_dict(
     native: dict[Any, Any], like: dict[str, Any], path: tuple[Component, ...], convert: bool
 ) -> dict[str, Any]:
-    """The common case (str-keyed dicts on both sides), keeping ``like``'s key order."""
-    out = {}
+    """The common case (str-keyed dicts on both sides), keeping ``like``'s key order.
+
+    The two commonest children are handled inline (this runs once per leaf): a numpy
+    leaf the file matches exactly, and a nested str-keyed dict; the key path of a
+    child is built only when it goes through :func:`restore`.
+    """
+    out: dict[str, Any] = {}
+    ndarray = np.ndarray
     try:
         for k, child_like in like.items():
-            out[k] = restore(native.get(k, MISSING), child_like, path=(*path, k), convert=convert)
+            child = native.get(k, MISSING)
+            tl = type(child_like)
+            if tl is ndarray:
+                if (
+                    type(child) is ndarray
+                    and child.shape == child_like.shape
+                    and child.dtype == child_like.dtype
+                ):
+                    out[k] = child
+                    continue
+            elif tl is dict and type(child) is dict and _plain_keys(child_like):
+                out[k] = _restore_plain_dict(child, child_like, (*path, k), convert)
+                continue
+            out[k] = _restore(child, child_like, (*path, k), convert)
         if len(native) != len(like):
             _refuse_extra({k for k in native if k not in like and _holds_data(native, k)}, path)
     except BaseException:

@@ -35,20 +35,28 @@ archives, and callers that trust a file may pass a larger ``max_inflated``.
 
 Writing (:func:`encode_stored`) produces what Python's ``zipfile`` writes with
 ``force_zip64=True`` and a fixed 1980-01-01 timestamp, as ``np.savez`` does.
+
+Checksums cost no pass of their own over large archives: a file is read by
+:func:`read_archive` in pieces, each hashed right after it is read (the
+directory, read first, says where every member's data lies), and an encoding
+made with ``overlap=True`` hashes each large member while it is written, its
+local header written in place afterwards.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from . import crc as _crc
 from .binary import Buffer, ByteSource, Reader, Writer, as_memoryview
 from .errors import EncodeError, FormatError
+from .registry import Deferred
 
 __all__ = [
     "ZipMember",
@@ -57,10 +65,14 @@ __all__ = [
     "member_names",
     "member_data",
     "check_crcs",
+    "read_archive",
+    "RangeSource",
+    "FUSED_MIN",
     "member_prefix",
     "encode_stored",
     "STORED",
     "DEFLATED",
+    "OVERLAP_MIN",
     "MAX_DEFLATE_RATIO",
     "INFLATE_ALLOWANCE",
 ]
@@ -498,12 +510,110 @@ def check_crcs(source: ByteSource, members: Sequence[tuple[ZipMember, Buffer]]) 
     found = _crc.crc32_many([(data,) for _, data in members])
     for (m, _), crc in zip(members, found):
         if crc != m.crc:
-            raise _error(
-                source,
-                f"CRC-32 mismatch in member {m.name!r} (file corrupted)",
-                f"zip.member[{m.name}]",
-                m.data_offset,
-            )
+            raise _crc_mismatch(source, m)
+
+
+def _crc_mismatch(source: ByteSource, m: ZipMember) -> FormatError:
+    return _error(
+        source,
+        f"CRC-32 mismatch in member {m.name!r} (file corrupted)",
+        f"zip.member[{m.name}]",
+        m.data_offset,
+    )
+
+
+# --------------------------------------------------------------------------
+# whole archives from files: the read and the CRC-32 in one pass
+# --------------------------------------------------------------------------
+
+#: Archives at least this large are read by the CRC pool with each piece hashed as it arrives.
+FUSED_MIN = 8 << 20
+#: Bytes read then hashed at a time: the hash finds them still in cache.
+_FUSED_PIECE = 4 << 20
+#: Bytes per pool job (consecutive pieces): few enough jobs that handing them out costs nothing.
+_FUSED_JOB = 16 << 20
+
+
+class RangeSource(Protocol):
+    """A file-backed source that reads ranges straight into a caller's buffer (``io.FileSource``)."""
+
+    name: str | None
+    size: int
+
+    def read_into(self, offset: int, out: memoryview, field: str) -> None: ...
+
+
+def read_archive(
+    source: RangeSource,
+    *,
+    verify_crc: bool = True,
+    members: Sequence[ZipMember] | None = None,
+) -> tuple[Sequence[ZipMember], ByteSource, set[str]]:
+    """The archive in ``source`` read into fresh memory, stored members' CRC-32s checked on the way.
+
+    Reads the directory first (:func:`read_zip_directory`: end records,
+    central directory, local headers), then the whole file in pieces on the
+    CRC pool, each piece of a stored member's data hashed right after it is
+    read, while it is still in cache, instead of in a second pass over
+    memory; the pieces' CRCs are combined per member (:func:`pytreeio.crc.combine`)
+    and compared before returning, so a mismatch is a :class:`FormatError`
+    (naming the member, at its data offset) before any value is used.
+
+    ``members``: the directory when the caller has read it already.
+    Returns ``(members, bytes, checked)``: the members in directory order, the
+    file's bytes as a :class:`~pytreeio.binary.ByteSource` (members read from it
+    are views of one buffer) and the names of the members whose CRC was
+    verified here (deflated ones are checked once inflated, by the caller).
+    """
+    import numpy as np
+
+    from .binary import BufferSource
+
+    if members is None:
+        members = read_zip_directory(source)  # type: ignore[arg-type]
+    size = source.size
+    buf = np.empty(size, dtype=np.uint8).data  # uninitialised: the reads fill every byte
+    hashed = [i for i, m in enumerate(members) if verify_crc and m.method == STORED]
+    # Reads of whole pieces (syscalls do not grow with the member count); within a
+    # piece, the parts of each member's data are hashed separately.
+    spans = sorted((members[i].data_offset, members[i].end, i) for i in hashed if members[i].size)
+    pieces: list[tuple[int, int, list[tuple[int, int, int]]]] = []  # (start, stop, segments)
+    k = 0
+    for a in range(0, size, _FUSED_PIECE):
+        b = min(a + _FUSED_PIECE, size)
+        segments = []
+        while k < len(spans) and spans[k][0] < b:
+            lo, hi, i = spans[k]
+            segments.append((max(lo, a), min(hi, b), i))
+            if hi > b:
+                break  # the member goes on in the next piece
+            k += 1
+        pieces.append((a, b, segments))
+    per_job = max(1, _FUSED_JOB // _FUSED_PIECE)
+    jobs = [pieces[j : j + per_job] for j in range(0, len(pieces), per_job)]
+
+    def run(job: list[tuple[int, int, list[tuple[int, int, int]]]]) -> list[tuple[int, int, int]]:
+        out: list[tuple[int, int, int]] = []
+        for a, b, segments in job:
+            source.read_into(a, buf[a:b], "zip")
+            out.extend((i, _crc.crc32(buf[lo:hi]), hi - lo) for lo, hi, i in segments)
+        return out
+
+    if size < FUSED_MIN:
+        results = [run(job) for job in jobs]
+    else:
+        from .io import run_all
+
+        results = run_all(_crc.pool(), run, jobs)
+    per_member: dict[int, list[tuple[int, int]]] = {i: [] for i in hashed}
+    for found in results:  # jobs, and pieces within them, are in file order
+        for i, c, n in found:
+            per_member[i].append((c, n))
+    data = BufferSource(buf, name=source.name)
+    for i in hashed:
+        if _crc.combine_all(per_member[i]) != members[i].crc:
+            raise _crc_mismatch(data, members[i])
+    return members, data, {members[i].name for i in hashed}
 
 
 def _inflate(source: ByteSource, m: ZipMember, raw: memoryview) -> memoryview:
@@ -575,18 +685,27 @@ def _encode_name(name: str) -> tuple[bytes, int]:
         return name.encode("utf-8"), _FLAG_UTF8
 
 
-def encode_stored(members: Iterable[tuple[str, Sequence[Buffer]]]) -> list[Buffer]:
+def encode_stored(
+    members: Iterable[tuple[str, Sequence[Buffer]]], *, overlap: bool = False
+) -> list[Any]:
     """A ZIP archive of stored members ``(name, chunks)``, as chunks (data referenced, not copied).
 
     Byte-identical to Python's ``zipfile`` writing each member with
     ``force_zip64=True`` and a 1980-01-01 timestamp on a seekable file (what
     ``np.savez`` produces).  Names are checked with :func:`check_member_name`
     and for duplicates (:class:`EncodeError` naming the member).
+
+    Every member's CRC-32 goes in its local header, ahead of its data.  By
+    default all of them are computed here, before returning (the chunks are
+    plain buffers).  With ``overlap``, members of at least
+    :data:`OVERLAP_MIN` bytes are hashed while they are written instead: their
+    data chunks are :class:`~pytreeio.registry.Deferred` ones that start the
+    hash on the CRC pool when the writer takes them, their local headers are
+    ``late`` (written in place after the data), and the central directory,
+    produced after the last member, waits for every hash.  The bytes are the same.
     """
-    w = Writer()
-    central: list[tuple[bytes, int, int, int, int]] = []
-    seen: set[str] = set()
     named: list[tuple[str, Sequence[Buffer]]] = []
+    seen: set[str] = set()
     for name, chunks in members:
         try:
             check_member_name(name)
@@ -595,25 +714,96 @@ def encode_stored(members: Iterable[tuple[str, Sequence[Buffer]]]) -> list[Buffe
         if name in seen:
             raise EncodeError(f"duplicate member name {name!r}", key_path=name)
         seen.add(name)
-        named.append((name, chunks))
-    # Every member's CRC-32 before any header: the hash runs on all cores at once
-    # (it goes in the local header, ahead of the data, as np.savez puts it).
-    crcs = _crc.crc32_many([chunks for _, chunks in named])
-    for (name, chunks), crc in zip(named, crcs):
-        size = sum(len(as_memoryview(c)) for c in chunks)
+        named.append((name, [as_memoryview(c) for c in chunks]))
+    sizes = [sum(len(c) for c in chunks) for _, chunks in named]
+    late = [overlap and size >= OVERLAP_MIN for size in sizes]
+    # The CRC-32 of every member hashed now, on all cores at once.
+    eager = iter(_crc.crc32_many([chunks for (_, chunks), d in zip(named, late) if not d]))
+    w = Writer()
+    central: list[tuple[bytes, int, Callable[[], int], int, int]] = []
+    for (name, chunks), size, deferred in zip(named, sizes, late):
         raw_name, flags = _encode_name(name)
         offset = w.nbytes
-        w.struct(
-            _LOCAL, _SIG_LOCAL, _ZIP64_VERSION, 0, flags, STORED, 0, _DOSDATE_1980, crc,
-            0xFFFFFFFF, 0xFFFFFFFF, len(raw_name), _ZIP64_LOCAL_EXTRA.size,
-        )  # fmt: skip
-        w.raw(raw_name)
-        w.struct(_ZIP64_LOCAL_EXTRA, 1, 16, size, size)
-        for c in chunks:
-            w.raw(c)
-        central.append((raw_name, flags, crc, size, offset))
-    _write_central(w, central)
+        crc_of: Callable[[], int]
+        if deferred:
+            overlapped = crc_of = _OverlappedCrc(chunks)
+            header = _local_header(raw_name, flags, 0, size)
+            w.deferred(
+                Deferred(
+                    len(header),
+                    functools.partial(_local_header, raw_name, flags, crc_of, size),
+                    late=True,
+                )
+            )
+            for i, c in enumerate(chunks):
+                w.deferred(Deferred(len(c), functools.partial(overlapped.start, i)))
+        else:
+            crc = next(eager)
+            crc_of = functools.partial(int, crc)
+            w.raw(_local_header(raw_name, flags, crc, size))
+            for c in chunks:
+                w.raw(c)
+        central.append((raw_name, flags, crc_of, size, offset))
+    if any(late):
+        cd_offset = w.nbytes
+        cd_len = len(_central_bytes(central, cd_offset, resolve=False))
+        w.deferred(Deferred(cd_len, functools.partial(_central_bytes, central, cd_offset)))
+    else:
+        w.raw(_central_bytes(central, w.nbytes))
     return w.finish()
+
+
+#: Members this large are hashed while they are written (``encode_stored(overlap=True)``).
+OVERLAP_MIN = 8 << 20
+
+
+class _OverlappedCrc:
+    """The CRC-32 of one member's chunks, each hashed on the pool once the writer takes it.
+
+    ``start(i)`` hands chunk ``i`` to the pool and returns it for writing;
+    calling the object waits for every chunk (hashing any not yet started,
+    when the chunks were not produced in order) and combines them.
+    """
+
+    __slots__ = ("_chunks", "_pending")
+
+    def __init__(self, chunks: Sequence[memoryview]) -> None:
+        self._chunks = chunks
+        self._pending: list[Callable[[], int] | None] = [None] * len(chunks)
+
+    def start(self, i: int) -> memoryview:
+        self._pending[i] = _crc.crc32_start([self._chunks[i]])
+        return self._chunks[i]
+
+    def __call__(self) -> int:
+        parts = []
+        for i, c in enumerate(self._chunks):
+            pending = self._pending[i]
+            parts.append(((_crc.crc32(c) if pending is None else pending()), len(c)))
+        return _crc.combine_all(parts)
+
+
+def _local_header(raw_name: bytes, flags: int, crc: int | Callable[[], int], size: int) -> bytes:
+    """A stored member's local header with numpy's zip64 extra field (sizes there)."""
+    value = crc if isinstance(crc, int) else crc()
+    fixed = _LOCAL.pack(
+        _SIG_LOCAL, _ZIP64_VERSION, 0, flags, STORED, 0, _DOSDATE_1980, value,
+        0xFFFFFFFF, 0xFFFFFFFF, len(raw_name), _ZIP64_LOCAL_EXTRA.size,
+    )  # fmt: skip
+    return fixed + raw_name + _ZIP64_LOCAL_EXTRA.pack(1, 16, size, size)
+
+
+def _central_bytes(
+    central: Sequence[tuple[bytes, int, Callable[[], int], int, int]],
+    cd_offset: int,
+    *,
+    resolve: bool = True,
+) -> bytes:
+    """The central directory and end records (CRCs waited for unless ``resolve`` is false)."""
+    w = Writer()
+    w.nbytes = cd_offset  # offsets in the end records count from the start of the archive
+    _write_central(w, [(n, f, c() if resolve else 0, s, o) for n, f, c, s, o in central])
+    return b"".join(bytes(c) for c in w.finish())
 
 
 def _write_central(w: Writer, central: list[tuple[bytes, int, int, int, int]]) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import threading
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,8 +27,11 @@ if str(REPO) not in sys.path:  # run as a script
 
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
+from thread_group import run_threads  # noqa: E402  (tests/ is sys.path[0] for a script)
 
 DEVICES = 8
+#: The thread group's exchange timeout and each thread's join limit (8 devices start slowly).
+LIMITS: dict[str, float] = {"timeout": 120, "join": 180}
 CASES: dict[str, Callable[[Path], None]] = {}
 
 
@@ -316,6 +318,35 @@ def load_mismatch_names_key(tmp: Path) -> None:
 
 
 @case
+def save_async_snapshots_shards(tmp: Path) -> None:
+    """save_async of sharded arrays (deferred shard chunks, safetensors' late checksum header):
+    the bytes of ``save``, though every array is deleted and its memory reused once it returns."""
+    import jax
+
+    import pytreeio as ptio
+    from pytreeio.registry import Deferred
+
+    for fmt in ("safetensors", "msgpack"):
+        sharded, whole = trees()
+        chunks = ptio.encode(sharded, fmt).chunks
+        assert any(isinstance(c, Deferred) and not c.late for c in chunks), fmt
+        ptio.save(tmp / f"want.{fmt}", whole, fmt)
+        with no_gather():
+            fut = ptio.save_async(tmp / f"async.{fmt}", sharded, fmt)
+        for name, leaf in sharded.items():  # the training loop donates its arrays...
+            if isinstance(leaf, jax.Array):
+                leaf.delete()
+                # ...and fills the devices with new ones, likely where the old shards were
+                _, shape, dtype, spec = next(x for x in LAYOUTS if x[0] == name)
+                jax.device_put(np.zeros(shape, dtype), named(spec)).block_until_ready()
+        sharded["meta"]["bias"][:] = -1.0
+        fut.result()
+        got = (tmp / f"async.{fmt}").read_bytes()
+        assert got == (tmp / f"want.{fmt}").read_bytes(), fmt
+    ptio.verify(tmp / "async.safetensors")
+
+
+@case
 def threads_save_in_parts(tmp: Path) -> None:
     """Two "processes" (threads, each holding 4 devices) write one file in parts."""
     import jax
@@ -336,6 +367,7 @@ def threads_save_in_parts(tmp: Path) -> None:
                 dest, sharded, fmt, coordinator=coord
             ),
             halves,
+            **LIMITS,
         )
         assert written == [None, None], written
         assert dest.read_bytes() == (tmp / f"w.{fmt}").read_bytes(), fmt
@@ -354,6 +386,7 @@ def threads_save_in_parts(tmp: Path) -> None:
             coordinator=coord,
         ),
         halves,
+        **LIMITS,
     )
     for r in results:
         assert isinstance(r, sharding.PartsError), r
@@ -371,30 +404,10 @@ def threads_save_in_parts(tmp: Path) -> None:
             coordinator=coord,
         ),
         halves,
+        **LIMITS,
     )
     assert all(isinstance(r, sharding.PartsError) and "layout" in str(r) for r in results)
     assert (tmp / "p.safetensors").read_bytes() == before
-
-
-def run_threads(count: int, fn: Callable[[Any], None], devices: list[Any]) -> list[Any]:
-    """``fn(coordinator)`` on ``count`` threads standing for processes; their results/errors."""
-    from pytreeio import sharding
-
-    coords = sharding.thread_group(count, devices, timeout=120)
-    results: list[Any] = [None] * count
-
-    def run(i: int) -> None:
-        try:
-            fn(coords[i])
-        except BaseException as exc:
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    return results
 
 
 def main(names: list[str]) -> int:

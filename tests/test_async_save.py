@@ -228,7 +228,7 @@ def test_write_error_surfaces_and_keeps_the_old_file(
     ptio.save(dest, {"x": np.zeros(3)})
     before = dest.read_bytes()
 
-    def disk_full(fd: int, chunks: Any) -> None:
+    def disk_full(fd: int, chunks: Any, *_: Any) -> None:  # (fd, chunks, writeback)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(io, "_write_chunks", disk_full)
@@ -252,3 +252,145 @@ def test_snapshot_copied_in_blocks_on_the_pool(
     dest = tmp_path / "blocks.safetensors"
     ptio.save_async(dest, tree).result()
     assert dest.read_bytes() == encoded.tobytes()
+
+
+# --------------------------------------------------------------------------
+# encodings with deferred chunks (streamed tensors, a late checksum header)
+# --------------------------------------------------------------------------
+
+
+def test_deferred_chunks_are_produced_before_returning(tmp_path: Path) -> None:
+    """Streamed leaves (read from an open file when written) and safetensors' late header:
+    the file is ``save``'s, bit for bit, although the source changes right after the call."""
+    from pytreeio.fmt import safetensors
+    from pytreeio.registry import FILE, Deferred, Slot, Streamed
+    from pytreeio.tree import map_leaves
+
+    tree = _tree(5)
+    src_path = tmp_path / "src.safetensors"
+    ptio.save(src_path, tree)
+    ptio.save(tmp_path / "want.safetensors", tree)
+    source = io.open_source(src_path, FILE, headers=True)
+    try:
+        slots = safetensors.slots(source)
+
+        def stream(leaf: Any) -> Any:  # as a streaming convert does: large plain slots
+            if not isinstance(leaf, Slot):
+                return leaf
+            return Streamed(leaf, source) if leaf.convert is None else leaf.read(source)
+
+        streamed = map_leaves(stream, slots.tree)
+        encoded = ptio.encode(streamed, "safetensors")
+        assert any(isinstance(c, Deferred) and c.late for c in encoded.chunks)
+        assert sum(isinstance(c, Deferred) and not c.late for c in encoded.chunks) >= 3
+        fut = ptio.save_async(tmp_path / "a.safetensors", streamed)
+        # the source's bytes change under the open descriptor once the call has returned
+        size = src_path.stat().st_size
+        with open(src_path, "r+b") as f:
+            f.seek(size // 2)
+            f.write(b"\xa5" * (size - size // 2))
+        fut.result()
+    finally:
+        source.close()
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "want.safetensors").read_bytes()
+    ptio.verify(tmp_path / "a.safetensors")  # the late header's checksums are the data's
+
+
+def test_snapshot_of_a_deferred_chunk_of_the_wrong_size_is_an_encode_error() -> None:
+    from pytreeio.registry import Deferred
+
+    bad = ptio.Encoded(chunks=(b"head", Deferred(5, lambda: b"four")))
+    with pytest.raises(ptio.errors.EncodeError, match="4 bytes where 5"):
+        async_save._snapshot(bad)
+    assert async_save.pending_bytes() == 0
+
+
+# --------------------------------------------------------------------------
+# the bound on memory held by pending saves
+# --------------------------------------------------------------------------
+
+
+def _gated_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make every background write wait for the returned event (the disk is 'slow')."""
+    gate = threading.Event()
+    real = io.write_atomic
+
+    def slow(*args: Any, **kwargs: Any) -> None:
+        assert gate.wait(60), "the test never opened the gate"
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(io, "write_atomic", slow)
+    return gate
+
+
+def test_pending_snapshots_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = _gated_writes(monkeypatch)
+    trees = [{"x": np.full(100_000, i, np.float64)} for i in range(3)]  # 800 kB each
+    size = ptio.encode(trees[0], "msgpack").nbytes
+    limit = 2 * size + 1000  # room for two snapshots, not three
+    futures = [
+        ptio.save_async(tmp_path / f"{i}.msgpack", trees[i], max_pending_bytes=limit)
+        for i in range(2)
+    ]
+    assert async_save.pending_bytes() == 2 * size
+    third: list[ptio.SaveFuture] = []
+    caller = threading.Thread(
+        target=lambda: third.append(
+            ptio.save_async(tmp_path / "2.msgpack", trees[2], max_pending_bytes=limit)
+        )
+    )
+    caller.start()
+    caller.join(0.5)
+    assert caller.is_alive() and not third  # waits: a third snapshot would pass the bound
+    assert async_save.pending_bytes() == 2 * size
+    gate.set()  # the disk catches up: the earlier saves finish, the third goes ahead
+    caller.join(60)
+    assert not caller.is_alive() and len(third) == 1
+    for fut in [*futures, *third]:
+        fut.result()
+    ptio.wait_saves()
+    assert async_save.pending_bytes() == 0
+    for i in range(3):
+        np.testing.assert_array_equal(ptio.load(tmp_path / f"{i}.msgpack")["x"], trees[i]["x"])
+
+
+def test_a_snapshot_larger_than_the_bound_waits_until_nothing_is_pending(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = _gated_writes(monkeypatch)
+    small = ptio.save_async(tmp_path / "s.msgpack", {"x": np.ones(10)}, max_pending_bytes=0)
+    done = threading.Event()
+
+    def big() -> None:
+        ptio.save_async(tmp_path / "b.msgpack", {"x": np.zeros(1000)}, max_pending_bytes=10)
+        done.set()
+
+    caller = threading.Thread(target=big)
+    caller.start()
+    assert not done.wait(0.5)  # the small save is pending: the large one waits
+    gate.set()
+    assert done.wait(60)
+    caller.join(60)
+    small.result()
+    ptio.wait_saves()
+    assert ptio.load(tmp_path / "b.msgpack")["x"].shape == (1000,)
+    assert async_save.pending_bytes() == 0
+
+
+def test_failed_writes_and_encodings_release_their_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ptio.errors.EncodeError):
+        ptio.save_async(tmp_path / "bad.msgpack", {"x": object()})
+    fut = ptio.save_async(tmp_path / "missing" / "a.msgpack", {"x": np.ones(1000)})
+    with pytest.raises(OSError):
+        fut.result()
+    ptio.wait_saves()
+    assert async_save.pending_bytes() == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])
+def test_max_pending_bytes_is_checked(tmp_path: Path, bad: Any) -> None:
+    with pytest.raises(ValueError, match="max_pending_bytes"):
+        ptio.save_async(tmp_path / "a.msgpack", {"x": np.ones(3)}, max_pending_bytes=bad)
+    assert not (tmp_path / "a.msgpack").exists()

@@ -76,3 +76,24 @@ def test_pool_works_in_a_forked_child(monkeypatch: pytest.MonkeyPatch) -> None:
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(1) as pool:
         assert pool.apply_async(crc.crc32_many, (data,)).get(timeout=60) == want
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_crc32_start_equals_zlib_over_the_chunks(
+    monkeypatch: pytest.MonkeyPatch, parallel: bool
+) -> None:
+    if parallel:  # pieces of 1000 bytes on the pool
+        monkeypatch.setattr(crc, "PIECE", 1000)
+        monkeypatch.setattr(crc, "_PARALLEL_MIN", 1)
+    chunks = [_blob(n, seed) for seed, n in enumerate([0, 1, 999, 1000, 4321, 17])]
+    pending = crc.crc32_start(chunks)
+    assert pending() == zlib.crc32(b"".join(chunks))
+    assert pending() == zlib.crc32(b"".join(chunks))  # may be asked again
+    assert crc.crc32_start([])() == 0
+
+
+def test_combine_all_of_pieces() -> None:
+    blobs = [_blob(n, n) for n in (5, 0, 300, 1)]
+    parts = [(zlib.crc32(b), len(b)) for b in blobs]
+    assert crc.combine_all(parts) == zlib.crc32(b"".join(blobs))
+    assert crc.combine_all([]) == 0

@@ -122,7 +122,8 @@ def test_waffe2_transposed_views_write_numpys_bytes(tmp_path: Path) -> None:
     for name, layer in params["params"].items():
         for key, arr in layer.items():
             got = back["params"][name][key]
-            assert got.flags.c_contiguous and got.tobytes() == arr.tobytes()
+            # kernels come back as transposed views of the file's C-order data
+            assert got.shape == arr.shape and got.tobytes() == arr.tobytes()
 
 
 def _npy_bytes(arr: np.ndarray, tmp: Path) -> bytes:

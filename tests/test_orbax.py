@@ -25,14 +25,13 @@ import pytest
 ocp = pytest.importorskip("orbax.checkpoint")
 
 import pytreeio as ptio  # noqa: E402
-from pytreeio import io  # noqa: E402
+from pytreeio import async_save, io  # noqa: E402
 from pytreeio.errors import EncodeError, FormatError, MismatchError  # noqa: E402
 from pytreeio.orbax import (  # noqa: E402
     METADATA_NAME,
     PytreeioHandler,
     PytreeioRestore,
     PytreeioSave,
-    _owned,
     _prepare,
     _write,
     checkpoint_name,
@@ -127,6 +126,7 @@ def test_manager_keeps_last_two_and_restores_latest_and_given_step(
     item = tmp_path / "4" / "state"
     record = json.loads((item / METADATA_NAME).read_text())
     assert record == {"version": 1, "format": fmt, "layout": "single", "path": checkpoint_name(fmt)}
+    _assert_only_checkpoint_files(item)
     # the files are ordinary pytreeio checkpoints
     assert ptio.inspect(item / checkpoint_name(fmt), format=fmt).format == fmt
 
@@ -141,6 +141,33 @@ def test_manager_keeps_last_two_and_restores_latest_and_given_step(
         assert_same_bits(given.state, saved[3])
         info = mngr.item_metadata(4).state
         assert info.format == fmt and info.nbytes > 0
+
+
+def _assert_only_checkpoint_files(item: Path) -> None:
+    """The item holds its checkpoint (file, sibling pair or directory) and the record: no locks."""
+    # orbax's own commit marker aside (its CheckpointManager writes it on some file systems)
+    names = sorted(p.name for p in item.iterdir() if p.name != "commit_success.txt")
+    assert METADATA_NAME in names
+    assert all(n == METADATA_NAME or n.startswith("checkpoint") for n in names), names
+    stray = [p for p in item.rglob("*") if io._OWN_FILE.search(p.name)]  # locks, temporaries
+    assert not stray, stray
+
+
+@pytest.mark.parametrize("use_async", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("fmt", ["safetensors", "netcl-checkpoint", "waffe2"])
+def test_item_directory_holds_no_lock_files(fmt: str, use_async: bool, tmp_path: Path) -> None:
+    state = _start(fmt)
+    args = PytreeioSave(state, format=fmt, options=OPTIONS.get(fmt, {}))
+    with _manager(tmp_path, enable_async_checkpointing=use_async) as mngr:
+        mngr.save(0, args=ocp.args.Composite(state=args))
+        mngr.wait_until_finished()
+    item = tmp_path / "0" / "state"
+    _assert_only_checkpoint_files(item)
+    # a handler writing again into a directory it wrote before leaves none either
+    PytreeioHandler().save(item, args)
+    _assert_only_checkpoint_files(item)
+    like = jax.eval_shape(lambda: _start(fmt))
+    assert_same_bits(PytreeioHandler().restore(item, PytreeioRestore(like=like)), state)
 
 
 def test_single_item_manager_without_composite(tmp_path: Path) -> None:
@@ -231,14 +258,14 @@ def test_snapshot_produces_deferred_chunks_now_and_late_ones_at_the_write(
     encoded = ptio.Encoded(
         chunks=(Deferred(2, header, late=True), Deferred(4, shard), memoryview(data))
     )
-    owned = _owned(encoded)
+    owned = async_save._snapshot(encoded)
     assert order == ["shard"]
     data[:] = 9  # the caller moves on
     io.write_atomic(tmp_path / "f", owned, ptio.FILE)
     assert order == ["shard", "header"]
     assert (tmp_path / "f").read_bytes() == b"HD" + bytes(range(4)) * 2
     with pytest.raises(EncodeError, match="declared"):
-        _owned(ptio.Encoded(chunks=(Deferred(3, shard),)))
+        async_save._snapshot(ptio.Encoded(chunks=(Deferred(3, shard),)))
 
 
 def test_async_save_then_overwrite_then_wait(tmp_path: Path) -> None:

@@ -14,7 +14,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import pytest
 from conftest import assert_bits_equal
 from hypothesis import given
 from hypothesis import strategies as st
+from thread_group import run_threads
 
 import pytreeio as ptio
 from pytreeio import sharding
@@ -37,6 +37,7 @@ CASES = [
     "load_round_trip_all_layouts",
     "load_mismatch_names_key",
     "threads_save_in_parts",
+    "save_async_snapshots_shards",
 ]
 #: A hard limit for each subprocess (jax starts in seconds; a hang must not stall the suite).
 TIMEOUT = 240
@@ -89,24 +90,6 @@ def test_region_of_jax_style_index() -> None:
 # --------------------------------------------------------------------------
 
 
-def _threads(count: int, fn: Any) -> list[Any]:
-    coords = sharding.thread_group(count, timeout=60)
-    results: list[Any] = [None] * count
-
-    def run(i: int) -> None:
-        try:
-            fn(coords[i])
-        except BaseException as exc:
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return results
-
-
 def test_thread_group_exchanges_messages() -> None:
     seen: list[list[str]] = [[], [], []]
 
@@ -116,7 +99,7 @@ def test_thread_group_exchanges_messages() -> None:
                 coord.exchange(f"r{round}", f"{coord.process_index}:{round}")
             )
 
-    assert _threads(3, fn) == [None, None, None]
+    assert run_threads(3, fn) == [None, None, None]
     want = [f"{i}:{r}" for r in range(3) for i in range(3)]
     assert seen == [want, want, want]
 
@@ -126,7 +109,7 @@ def test_save_in_parts_of_host_arrays_equals_save(tmp_path: Path, fmt: str) -> N
     """Nothing sharded: the primary writes everything, the file is what ``save`` writes."""
     tree: dict[str, Any] = {"a": np.arange(12.0).reshape(3, 4), "b": {"0": np.arange(3), "1": 2.5}}
     dest = tmp_path / f"ckpt.{fmt}"
-    results = _threads(3, lambda c: sharding.save_in_parts(dest, tree, fmt, coordinator=c))
+    results = run_threads(3, lambda c: sharding.save_in_parts(dest, tree, fmt, coordinator=c))
     assert results == [None, None, None]
     ptio.save(tmp_path / f"plain.{fmt}", tree, fmt)
     assert dest.read_bytes() == (tmp_path / f"plain.{fmt}").read_bytes()
@@ -137,7 +120,7 @@ def test_save_in_parts_of_a_sibling_format_is_written_by_the_primary(tmp_path: P
     """A format that is not one file (netcl-checkpoint: .npz + .json) is saved whole by process 0."""
     tree = {"params": [np.ones(2, np.float32)]}
     dest = tmp_path / "ck"
-    results = _threads(
+    results = run_threads(
         2, lambda c: sharding.save_in_parts(dest, tree, "netcl-checkpoint", coordinator=c)
     )
     assert results == [None, None]
@@ -155,7 +138,7 @@ def test_save_in_parts_failure_keeps_old_checkpoint(tmp_path: Path) -> None:
     before = dest.read_bytes()
     good = {"a": np.ones(3)}
     bad = {"a": np.ones(3), "x": object()}
-    results = _threads(
+    results = run_threads(
         2,
         lambda c: sharding.save_in_parts(
             dest, bad if c.process_index == 1 else good, coordinator=c
@@ -171,7 +154,9 @@ def test_save_in_parts_failure_keeps_old_checkpoint(tmp_path: Path) -> None:
 def test_save_in_parts_primary_failure_reaches_everyone(tmp_path: Path) -> None:
     """The primary cannot create the temporary (no such directory): every process raises."""
     dest = tmp_path / "missing" / "ckpt.safetensors"
-    results = _threads(2, lambda c: sharding.save_in_parts(dest, {"a": np.ones(3)}, coordinator=c))
+    results = run_threads(
+        2, lambda c: sharding.save_in_parts(dest, {"a": np.ones(3)}, coordinator=c)
+    )
     for r in results:
         assert isinstance(r, sharding.PartsError), r
         assert "process 0" in str(r) and "create" in str(r)

@@ -582,9 +582,18 @@ class _Parser:
                     raise r.error(f"duplicate map key {key!r:.80}", field, r.start + key_at)
                 if i == 0 and key in _MARKERS:
                     self.summarise = False  # a chunked array or a key is kept whole: one entry
-                sub = child if not field else field + "/" + child
                 p = r.pos
                 b = view[p] if p < end else 0xC1
+                if (
+                    b == 0x81
+                    and not self.summarise
+                    and (inner := self._one_array_map(view, p, end, depth)) is not None
+                ):
+                    # {key: array}, a module holding one parameter: inline, once per leaf
+                    out[key] = inner
+                    continue
+                # the field names the path for errors only: built when the value needs it
+                sub = child if not field else field + "/" + child
                 if 0x80 <= b <= 0x8F:  # a fixmap (every inner node of a state dict), no dispatch
                     r.pos = p + 1
                     value = self.map(b & 0x0F, depth, sub)
@@ -599,6 +608,30 @@ class _Parser:
         if summarise and not out:
             return _NOTHING  # nothing to list: the parent keeps no object for it
         return out
+
+    def _one_array_map(self, view: memoryview, p: int, end: int, depth: int) -> Any:
+        """The one-item map ``{fixstr key: array}`` at ``view[p]``, parsed inline, or None.
+
+        What :meth:`map` would return for it (the same depth and container
+        bounds); anything else, malformed input included, returns None for
+        :meth:`map` to parse and report.
+        """
+        q = p + 1
+        if depth >= _MAX_DEPTH or self.containers_left < 1 or q >= end:
+            return None
+        b = view[q]
+        if not (
+            0xA0 <= b <= 0xBF
+            and q + 1 + (b & 0x1F) < end
+            and 0xC7 <= view[q + 1 + (b & 0x1F)] <= 0xC9
+        ):
+            return None
+        item = _fast_item(view, q, end, self.skip_data)
+        if item is None or item[0] in _MARKERS:
+            return None
+        self.containers_left -= 1
+        self.r.pos = item[2]
+        return {item[0]: item[1]}
 
     def ext(self, n: int, field: str, depth: int) -> Any:
         r = self.r
@@ -749,6 +782,44 @@ def _fast_item(view: memoryview, p: int, end: int, skip_data: bool) -> tuple[str
     v = h[0] - 0x9F  # where the value starts: after a fixstr key of h[0] - 0xA0 bytes
     if not 1 <= v <= 32 or v + 8 > len(h):
         return None
+    # The framing (ext header to bin header) of most leaves was seen before: the
+    # same bytes parse the same way, so a known one is looked up, not parsed.
+    for n in _FRAMING_LENGTHS:
+        framing = _FRAMINGS.get(h[v : v + n])
+        if framing is not None:
+            break
+    else:
+        framing = _parse_framing(h, v)
+        if framing is None:
+            return None
+    dims, dt, count, data_at, stop = framing
+    data_at += p + v
+    stop += p + v
+    if stop > end:
+        return None
+    try:
+        key = h[1:v].decode()
+    except UnicodeDecodeError:
+        return None
+    if skip_data:
+        return key, _ArrayHeader(dims, dt, stop - data_at, data_at), stop  # payload offset
+    arr = np.frombuffer(view, dt, count, data_at)
+    return key, (arr if len(dims) == 1 else arr.reshape(dims)), stop
+
+
+#: Item framings parsed by :func:`_parse_framing`, by their bytes: (dims, dtype, element
+#: count, data start, item end), positions counted from the framing's first byte.
+_FRAMINGS: dict[bytes, tuple[tuple[int, ...], np.dtype[Any], int, int, int]] = {}
+#: The byte lengths of the framings in ``_FRAMINGS`` (a tuple: replaced, never changed).
+_FRAMING_LENGTHS: tuple[int, ...] = ()
+#: Framings kept at most (a file of many shapes parses the rest each time).
+_MAX_FRAMINGS = 1024
+_MAX_LENGTHS = 16
+
+
+def _parse_framing(h: bytes, v: int) -> tuple[tuple[int, ...], np.dtype[Any], int, int, int] | None:
+    """The framing of an item's array value at ``h[v]`` (see :func:`_fast_item`), recorded."""
+    global _FRAMING_LENGTHS
     b = h[v]
     if b == 0xC8:
         q = v + 3
@@ -761,7 +832,7 @@ def _fast_item(view: memoryview, p: int, end: int, skip_data: bool) -> tuple[str
         stop = q + 1 + int.from_bytes(h[v + 1 : q], "big")
     else:
         return None
-    if h[q] != _EXT_NDARRAY or h[q + 1] != 0x93 or p + stop > end:
+    if h[q] != _EXT_NDARRAY or h[q + 1] != 0x93:
         return None
     limit = min(stop, len(h))
     ndim = h[q + 2] - 0x90
@@ -805,14 +876,14 @@ def _fast_item(view: memoryview, p: int, end: int, skip_data: bool) -> tuple[str
     # dims < 2**32 and nbytes < 2**32: a non-zero count that matches is a valid array.
     if s + nbytes != stop or count == 0 or count * dt.itemsize != nbytes:
         return None
-    try:
-        key = h[1:v].decode()
-    except UnicodeDecodeError:
-        return None
-    if skip_data:
-        return key, _ArrayHeader(tuple(dims), dt, nbytes, p + s), p + stop  # payload offset
-    arr = np.frombuffer(view, dt, count, p + s)
-    return key, (arr if ndim == 1 else arr.reshape(dims)), p + stop
+    framing = (tuple(dims), dt, count, s - v, stop - v)
+    # A framing of a new length costs every later miss one more lookup: a few lengths only.
+    known = s - v in _FRAMING_LENGTHS
+    if len(_FRAMINGS) < _MAX_FRAMINGS and (known or len(_FRAMING_LENGTHS) < _MAX_LENGTHS):
+        _FRAMINGS[h[v:s]] = framing
+        if not known:
+            _FRAMING_LENGTHS = (*_FRAMING_LENGTHS, s - v)
+    return framing
 
 
 def _indexed(node: Any, what: str, fail: Any) -> list[Any]:

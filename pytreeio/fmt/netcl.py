@@ -189,10 +189,10 @@ def decode(
     if role == "legacy":
         meta = _meta_document(as_memoryview(source["legacy_json"]), "legacy_json", "json")
         name = "legacy_npz"
-        arrays = read_npz(source[name], name, verify_crc)
+        arrays = read_npz(source, name, verify_crc)
     else:
         name = role
-        arrays = read_npz(source[role], role, verify_crc)
+        arrays = read_npz(source, role, verify_crc)
         meta = _meta_from_npz(arrays, role)
     entries = _file_entries(meta, name)
     layers = _split_members(arrays, len(entries), name)
@@ -361,7 +361,7 @@ def encode(tree: Any, *, meta: Any = None) -> Encoded:
         (f"{i}:{k}", a) for i, layer in enumerate(layers) for k, a in layer.items()
     ]
     items.append((META_KEY, np.array(text, dtype=np.str_)))
-    return Encoded(files={"model": Encoded(chunks=tuple(npy.encode_npz(items)))})
+    return Encoded(files={"model": Encoded(chunks=tuple(npy.encode_npz(items, overlap=True)))})
 
 
 def inspect(source: Mapping[str, ByteSource]) -> Info:

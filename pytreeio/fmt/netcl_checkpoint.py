@@ -186,21 +186,25 @@ def _plain_npz(probe: Probe | None) -> bool:
 # --------------------------------------------------------------------------
 
 
-def _params_source(source: Mapping[str, Any]) -> tuple[Any, str]:
+def _params_role(source: Mapping[str, Any]) -> str:
     for role in ("path", "npz"):
         if role in source:
-            return source[role], role
+            return role
     raise FormatError("no parameter .npz", field="npz")
 
 
+def _params_source(source: Mapping[str, Any]) -> tuple[Any, str]:
+    role = _params_role(source)
+    return source[role], role
+
+
 def _decode_params(source: Mapping[str, Any], *, verify_crc: bool = True) -> Decoded:
-    data, role = _params_source(source)
-    return Decoded(read_npz(data, role, verify_crc), {})
+    return Decoded(read_npz(source, _params_role(source), verify_crc), {})
 
 
 def _encode_params(tree: Any, *, meta: Any = None, names: Sequence[str] | None = None) -> Encoded:
     items = _named_items(tree, names)
-    return Encoded(files={"npz": Encoded(chunks=tuple(npy.encode_npz(items)))})
+    return Encoded(files={"npz": Encoded(chunks=tuple(npy.encode_npz(items, overlap=True)))})
 
 
 def _restore_params(
@@ -406,7 +410,7 @@ def _max_values(nbytes: int) -> int:
 def _decode_checkpoint(source: Mapping[str, Any], *, verify_crc: bool = True) -> Decoded:
     if "npz" not in source:
         raise FormatError("no parameter .npz", field="npz")
-    params = read_npz(source["npz"], "npz", verify_crc)
+    params = read_npz(source, "npz", verify_crc)
     doc: Any = {}
     if "json" in source:
         raw = as_memoryview(source["json"])
@@ -520,7 +524,7 @@ def _encode_checkpoint(
         raise EncodeError(
             f"optim_state/config is not JSON-serialisable: {exc}", key_path=""
         ) from None
-    npz = Encoded(chunks=tuple(npy.encode_npz(_named_items(tree["params"], names))))
+    npz = Encoded(chunks=tuple(npy.encode_npz(_named_items(tree["params"], names), overlap=True)))
     return Encoded(files={"npz": npz, "json": Encoded(chunks=(text.encode("utf-8"),))})
 
 

@@ -102,6 +102,16 @@ def check_types(model: Model) -> None:
 
 
 def read_npz(source: Any, name: str, verify_crc: bool) -> dict[str, np.ndarray]:
-    """The arrays of an ``.npz`` buffer or :class:`ByteSource`."""
-    src = source if isinstance(source, ByteSource) else BufferSource(source, name=name)
+    """The arrays of the ``.npz`` of role ``name`` in ``source`` (a mapping of files or buffers).
+
+    Files of an ``io.FileSet`` are read by :func:`pytreeio.npy.read_npz` itself,
+    which takes the CRC-32s as it reads (one pass instead of a read and a hash).
+    """
+    ranges = getattr(source, "ranges", None)
+    ranged = ranges(name) if callable(ranges) else None
+    if ranged is not None:
+        with ranged:
+            return npy.read_npz(ranged, verify_crc=verify_crc)
+    data = source[name]
+    src = data if isinstance(data, ByteSource) else BufferSource(data, name=name)
     return npy.read_npz(src, verify_crc=verify_crc)

@@ -525,6 +525,9 @@ def _read_header(r: Reader, total: int) -> _Header:
     raw = r.bytes(n, "header")
     if n == 0 or raw[0] != ord("{"):
         raise r.error("header is not a JSON object", "header", 8)
+    fast = _fast_header(raw, n, total)
+    if fast is not None:
+        return _Header(n, fast[0], fast[1], r.source)
     bounds: dict[str, Any] = {
         "path": r.source,
         "field": "header",
@@ -569,6 +572,130 @@ def _read_header(r: Reader, total: int) -> _Header:
             f"{data_len - pos} data bytes are not covered by any tensor", "data", 8 + n + pos
         )
     return _Header(n, entries, metadata, r.source)
+
+
+def _plain_json(text: bytes | memoryview | str, total: int) -> Any:
+    """``text`` parsed by :mod:`json` alone, or None: the fast path of the common document.
+
+    Taken only where no bound of :func:`pytreeio.jsonsafe.loads` can be crossed
+    unseen: a document cannot hold more values than it has characters (so a
+    short one is within the value budget), nesting beyond the interpreter's
+    limit fails here (and goes to the strict parser, which reports it), and
+    what plain :mod:`json` accepts that the strict parser refuses (NaN, huge
+    numbers, repeated keys) is caught by the caller's checks of the result and
+    :func:`_colons_match`.  None sends the document to the strict parser.
+    """
+    if len(text) + 1 > _value_budget(total):
+        return None
+    loads = _fast_loads()
+    try:
+        if loads is not None:
+            return loads(text)
+        return json.loads(text if isinstance(text, str) else str(text, "utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError included: reported strictly
+        return None
+
+
+_ORJSON: list[Any] = []
+
+
+def _fast_loads() -> Any:
+    """``orjson.loads`` when ``orjson`` (a dependency) imports, else None (stdlib json then).
+
+    It parses a header about three times as fast as :mod:`json` (about 2 us
+    per tensor of the per-leaf cost).  Its results differ from :mod:`json`'s
+    only where the callers look anyway: it refuses NaN and invalid UTF-8,
+    and reads an integer beyond 64 bits as a float, which every check of a
+    shape, offset or dict key refuses (sending the document to the strict
+    parser, which reads it exactly).  Imported on first use, looked up once.
+    """
+    if not _ORJSON:
+        try:
+            import orjson
+        except ImportError:
+            _ORJSON.append(None)
+        else:
+            _ORJSON.append(orjson.loads)
+    return _ORJSON[0]
+
+
+def _colons_match(text: bytes | memoryview | str, members: int, in_strings: int) -> bool:
+    """Whether ``text`` has exactly ``members`` object members: no key was repeated.
+
+    Every ``:`` of a JSON text outside its strings separates one object member,
+    and without ``\\u`` escapes every ``:`` inside a string is one of the parsed
+    strings' own.  A repeated key drops a member (and the strings of its value)
+    from the parsed document, so the text would hold more colons than
+    ``members`` plus ``in_strings`` (the colons of the parsed strings counted).
+    """
+    if isinstance(text, str):
+        return "\\u" not in text and text.count(":") == members + in_strings
+    raw = bytes(text)
+    return b"\\u" not in raw and raw.count(b":") == members + in_strings
+
+
+def _fast_header(
+    raw: memoryview, n: int, total: int
+) -> tuple[dict[str, tuple[np.dtype[Any], tuple[int, ...], int, int]], dict[str, str]] | None:
+    """Entries and metadata of the common header, every field checked, or None.
+
+    The common header: plain JSON, entries of non-zero shapes laid out back to
+    back in header order, string metadata.  Anything else (malformed input
+    included) returns None for :func:`_read_header`'s strict path, which
+    reports errors precisely.  Per entry this is the work :func:`_tensor`'s
+    first branch does, inline (it runs once per tensor).
+    """
+    doc = _plain_json(raw, total)
+    if type(doc) is not dict:
+        return None
+    has_meta = _META in doc
+    metadata = doc.pop(_META, {})
+    if type(metadata) is not dict:
+        return None
+    for v in metadata.values():
+        if type(v) is not str:
+            return None
+    data_len = total - 8 - n
+    by_code = _DTYPE_BY_CODE
+    entries: dict[str, tuple[np.dtype[Any], tuple[int, ...], int, int]] = {}
+    pos = 0
+    for name, spec in doc.items():
+        if type(spec) is not dict or len(spec) != 3:
+            return None
+        code, shape, offs = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
+        dt = by_code.get(code) if type(code) is str else None
+        if dt is None or type(shape) is not list or type(offs) is not list or len(offs) != 2:
+            return None
+        b, e = offs
+        if type(b) is not int or type(e) is not int or b != pos or not b <= e <= data_len:
+            return None
+        if len(shape) == 1:
+            d0 = shape[0]
+            if not (type(d0) is int and 0 < d0 < 2**31 and d0 * dt.itemsize == e - b):
+                return None
+            entries[name] = (dt, (d0,), b, e)
+        elif (
+            len(shape) <= 8
+            and all(type(d) is int and 0 < d < 2**31 for d in shape)
+            and math.prod(shape) * dt.itemsize == e - b
+        ):
+            entries[name] = (dt, tuple(shape), b, e)
+        else:
+            return None
+        pos = e
+    if pos != data_len:
+        return None
+    # Members: the top level's, the metadata's, three per entry (their keys and dtype
+    # codes were checked: no colons); strings: names and metadata keys and values.
+    members = len(entries) + has_meta + len(metadata) + 3 * len(entries)
+    in_strings = (
+        "".join(entries).count(":")
+        + "".join(metadata).count(":")
+        + "".join(metadata.values()).count(":")
+    )
+    if not _colons_match(raw, members, in_strings):
+        return None
+    return entries, metadata
 
 
 def _document(
@@ -616,10 +743,28 @@ class _Rebuilder:
         self.classes: dict[tuple[str, tuple[str, ...]], Any] = {}
         #: Members of the JSON objects visited (see :func:`pytreeio.jsonsafe.loads_counted`).
         self.members = 0
+        #: Colons in the dict keys and string leaves visited (see :func:`_colons_match`).
+        self.colons = 0
 
     def build(self, header: _Header, total: int) -> Any:
         """The tree the header's structure document describes, every node checked."""
         bounds = (header, _TREE_KEY, _TREE_JSON_DEPTH, total)
+        text = header.metadata[_TREE_KEY]
+        structure = _plain_json(text, total)
+        if structure is not None:
+            # Parsed without the strict parser's pre-scan; whatever the rebuild or the
+            # colon count finds amiss is judged by the strict parser.  A rebuild error
+            # starts over from the strict parse (orjson reads an int key beyond 64 bits
+            # as a float that the rebuild refuses; the strict parser reads it exactly).
+            try:
+                tree = self.node(structure)
+            except FormatError:
+                self.used, self.members, self.colons = set(), 0, 0
+            else:
+                in_strings = self.colons + "".join(self.used).count(":")
+                if not _colons_match(text, self.members, in_strings):
+                    _document(*bounds)
+                return tree
         structure, members = _document(*bounds, counted=True)
         try:
             tree = self.node(structure)
@@ -645,6 +790,7 @@ class _Rebuilder:
         if "leaf" in node:
             return self.leaf(node)
         if "str" in node and isinstance(node["str"], str):
+            self.colons += node["str"].count(":")
             return node["str"]
         if "dict" in node and isinstance(node["dict"], list):
             return self.mapping(node["dict"], d)
@@ -686,14 +832,24 @@ class _Rebuilder:
         out: dict[Any, Any] = {}
         arrays, used = self.arrays, self.used
         leaf_ok = depth <= MAX_TREE_DEPTH
+        members = 0  # of the one-member nodes taken inline (added once, at the end)
         for item in items:
-            # The common entry inline: [str key, {"leaf": name}] (this runs once per leaf).
+            # The common entries inline (this runs once per leaf): [str key, {"leaf": name}]
+            # and [str key, {"dict": [...]}], as node() would take them.
             if type(item) is list and len(item) == 2 and leaf_ok:
                 k, v = item
+                if type(k) is str and ":" in k:
+                    self.colons += k.count(":")
                 if type(k) is str and type(v) is dict and len(v) == 1 and k not in out:
                     name = v.get("leaf")
-                    if type(name) is str and name in arrays and name not in used:
-                        self.members += 1
+                    if name is None:
+                        sub = v.get("dict")
+                        if type(sub) is list:
+                            members += 1
+                            out[k] = self.mapping(sub, depth + 1)
+                            continue
+                    elif type(name) is str and name in arrays and name not in used:
+                        members += 1
                         used.add(name)
                         out[k] = arrays[name]
                         continue
@@ -707,6 +863,7 @@ class _Rebuilder:
             if item[0] in out:
                 raise self.bad(f"duplicate dict key {item[0]!r:.60}")
             out[item[0]] = self.node(item[1], depth)
+        self.members += members
         return out
 
     def namedtuple(self, node: dict[str, Any], depth: int) -> Any:
@@ -753,14 +910,9 @@ def _check_sums(header: _Header, r: Reader, total: int) -> None:
     """Compare each tensor's data with its recorded checksum (files without any: nothing)."""
     from ..checksum import buffer_checksum
 
-    if _SUM_KEY not in header.metadata:
+    sums = _recorded_sums(header, r, total)
+    if sums is None:
         return
-    sums = _document(header, _SUM_KEY, 2, total)
-    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
-        raise r.error(f"{_SUM_KEY} must map tensor names to checksums", _SUM_KEY, 8)
-    unknown = sorted(set(sums) - set(header.entries))
-    if unknown:
-        raise r.error(f"{_SUM_KEY} names tensors the file lacks: {unknown[:5]}", _SUM_KEY, 8)
     base = 8 + header.n
     view = r.view
     for name, (_dt, _shape, b, e) in sorted(header.entries.items(), key=lambda kv: kv[1][2]):
@@ -769,12 +921,55 @@ def _check_sums(header: _Header, r: Reader, total: int) -> None:
             raise r.error(f"tensor {name!r:.80} has no checksum", name, base + b)
         found = buffer_checksum(view[base + b : base + e])
         if found != want:
-            raise r.error(
-                f"tensor {name!r:.80}: data corrupted ({e - b} bytes hash to "
-                f"xxh3_64 {found}, recorded {want:.20})",
-                name,
-                base + b,
+            raise r.error(_corrupted(name, e - b, found, want), name, base + b)
+
+
+def _recorded_sums(header: _Header, r: Reader, total: int) -> dict[str, str] | None:
+    """The per-tensor checksums the header records (None: it records none), checked."""
+    if _SUM_KEY not in header.metadata:
+        return None
+    sums = _document(header, _SUM_KEY, 2, total)
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        raise r.error(f"{_SUM_KEY} must map tensor names to checksums", _SUM_KEY, 8)
+    unknown = sorted(set(sums) - set(header.entries))
+    if unknown:
+        raise r.error(f"{_SUM_KEY} names tensors the file lacks: {unknown[:5]}", _SUM_KEY, 8)
+    return sums
+
+
+def _corrupted(name: str, nbytes: int, found: str, want: str) -> str:
+    return (
+        f"tensor {name!r:.80}: data corrupted ({nbytes} bytes hash to "
+        f"xxh3_64 {found}, recorded {want:.20})"
+    )
+
+
+def _checked_reader(slot: Slot, want: str | None) -> Any:
+    """A slot ``reader`` that checks the tensor's stored bytes against its recorded checksum."""
+
+    def read(src: ByteSource) -> np.ndarray:
+        from ..checksum import buffer_checksum
+
+        if want is None:
+            raise FormatError(
+                f"tensor {slot.key!r:.80} has no checksum",
+                path=src.name,
+                field=slot.key,
+                offset=slot.offset,
             )
+        raw = src.read(slot.offset, slot.nbytes, slot.key)
+        found = buffer_checksum(raw)
+        if found != want:
+            raise FormatError(
+                _corrupted(slot.key, slot.nbytes, found, want),
+                path=src.name,
+                field=slot.key,
+                offset=slot.offset,
+            )
+        # the shape and byte count were checked with the header (_read_header)
+        return np.frombuffer(raw, dtype=slot.dtype).reshape(slot.shape)
+
+    return read
 
 
 def _view_array(
@@ -786,6 +981,35 @@ def _view_array(
     """
     arr = np.frombuffer(view, dt, (stop - start) // dt.itemsize, start)
     return arr if len(shape) == 1 else arr.reshape(shape)
+
+
+def _views(
+    view: memoryview,
+    base: int,
+    entries: dict[str, tuple[np.dtype[Any], tuple[int, ...], int, int]],
+) -> dict[str, np.ndarray]:
+    """Each entry's array, a view of ``view`` (entries checked by :func:`_read_header`).
+
+    Slicing one array of the data section per dtype costs about half of a
+    ``frombuffer`` per tensor (per-leaf cost); a tensor not aligned to its
+    item size in the data section (only other tools write those) takes
+    :func:`_view_array`.
+    """
+    whole: dict[np.dtype[Any], np.ndarray] = {}
+    out: dict[str, np.ndarray] = {}
+    size = len(view) - base
+    for name, (dt, shape, b, e) in entries.items():
+        flat = whole.get(dt)
+        if flat is None:
+            flat = whole[dt] = np.frombuffer(view, dt, size // dt.itemsize, base)
+        k = dt.itemsize
+        if b % k:
+            out[name] = _view_array(view, dt, shape, base + b, base + e)
+        elif len(shape) == 1:
+            out[name] = flat[b // k : e // k]
+        else:
+            out[name] = flat[b // k : e // k].reshape(shape)
+    return out
 
 
 def decode(buffer: Any, *, verify: bool = False) -> Decoded:
@@ -803,10 +1027,7 @@ def decode(buffer: Any, *, verify: bool = False) -> Decoded:
     base = 8 + header.n
     view = r.view
     # _read_header checked every shape and that each tensor's bytes lie in the data section
-    arrays = {
-        name: _view_array(view, dt, shape, base + b, base + e)
-        for name, (dt, shape, b, e) in header.entries.items()
-    }
+    arrays = _views(view, base, header.entries)
     md = header.metadata
     if _TREE_KEY not in md:
         return Decoded(arrays, dict(md))
@@ -815,12 +1036,79 @@ def decode(buffer: Any, *, verify: bool = False) -> Decoded:
             f"unsupported pytreeio layout version {md.get(_VERSION_KEY)!r:.40}", _VERSION_KEY, 8
         )
     meta = _user_meta(header, total)
+    tree = _plain_nesting(md[_TREE_KEY], arrays)
+    if tree is not None:
+        return Decoded(tree, meta)
     rebuilder = _Rebuilder(arrays, r)
     tree = rebuilder.build(header, total)
     unused = sorted(set(arrays) - rebuilder.used)
     if unused:
         raise r.error(f"tensors not referenced by the tree structure: {unused[:5]}", _TREE_KEY, 8)
     return Decoded(tree, meta)
+
+
+def _plain_nesting(text: str, arrays: dict[str, np.ndarray]) -> dict[str, Any] | None:
+    """The tree of the common structure document without parsing it, or None.
+
+    The common tree is nested str-keyed dicts of arrays, each named by its key
+    path: its document is the nesting of the tensor names alone.  That document
+    is written here from the names (in the tree's order: keys sorted per level)
+    while the tree is built, and the tree is taken only if the document equals
+    the file's, character for character: then :class:`_Rebuilder` would have
+    built the same tree.  Names that ``json.dumps`` would escape, that need a
+    key-path escape (a component starting ``[``, ``#``, empty, with ``\\``) or
+    nest too deep decline, as does any other document (scalars, lists, ``None``).
+    """
+    names = list(arrays)
+    joined = "/".join(names)
+    if (
+        not joined
+        or not joined.isascii()
+        or not joined.isprintable()
+        or '"' in joined
+        or "\\" in joined
+        or "//" in joined
+        or "/[" in joined
+        or "/#" in joined
+        or joined[0] in "/[#"
+        or joined[-1] == "/"
+    ):
+        return None
+    splits = [name.split("/") for name in names]
+    if max(map(len, splits)) > MAX_TREE_DEPTH:
+        return None  # the rebuild reports it
+    parts = ['{"dict":[']
+    root: dict[str, Any] = {}
+    stack = [root]  # the dicts along the previous name's path
+    prev: list[str] = []
+    for i in sorted(range(len(names)), key=splits.__getitem__):
+        comps = splits[i]
+        n = len(comps) - 1
+        p = 0
+        if prev:
+            m = min(n, len(prev) - 1)
+            while p < m and comps[p] == prev[p]:
+                p += 1
+            parts.append("]}]" * (len(prev) - 1 - p) + ",")
+            del stack[p + 1 :]
+        d = stack[p]
+        for c in comps[p:n]:
+            if c in d:  # a leaf and a subtree under one key: the document cannot match
+                return None
+            parts.append(f'["{c}",{{"dict":[')
+            sub: dict[str, Any] = {}
+            d[c] = sub
+            stack.append(sub)
+            d = sub
+        leaf = comps[n]
+        if leaf in d:
+            return None
+        name = names[i]
+        d[leaf] = arrays[name]
+        parts.append(f'["{leaf}",{{"leaf":"{name}"}}]')
+        prev = comps
+    parts.append("]}]" * (len(prev) - 1) + "]}")
+    return root if "".join(parts) == text else None
 
 
 def inspect(source: ByteSource) -> Info:
@@ -879,8 +1167,13 @@ def _item(arr: np.ndarray) -> Any:
     return arr[()]
 
 
-def slots(source: ByteSource) -> Slots:
-    """Where each tensor lies, from the header alone (8 + N bytes read); see :class:`Slot`."""
+def slots(source: ByteSource, *, verify: bool = False) -> Slots:
+    """Where each tensor lies, from the header alone (8 + N bytes read); see :class:`Slot`.
+
+    ``verify``: each slot checks its tensor's bytes against the checksum
+    pytreeio recorded when it is read (as ``decode(verify=True)`` does for
+    all of them; files from other tools record none and are read unchecked).
+    """
     n = source.reader(0, 8, "header length").u64("header length")
     _check_header_length(n, source.size, Reader(b"", source=source.name))
     r = Reader(source.read(0, 8 + n, "header"), source=source.name)
@@ -890,6 +1183,12 @@ def slots(source: ByteSource) -> Slots:
         name: Slot(name, base + b, e - b, shape, dt)
         for name, (dt, shape, b, e) in header.entries.items()
     }
+    sums = _recorded_sums(header, r, source.size) if verify else None
+    if sums is not None:
+        found = {
+            k: dataclasses.replace(s, reader=_checked_reader(s, sums.get(k)))
+            for k, s in found.items()
+        }
     md = header.metadata
     if _TREE_KEY not in md:
         return Slots(found, dict(md))

@@ -79,6 +79,7 @@ Element counts and dtypes (a ``<f8`` file into a float32 ``like``) must match.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -288,17 +289,30 @@ def _inverse(axes: Sequence[int]) -> tuple[int, ...]:
 def _to_stored(arr: Any, axes: Sequence[int] | None) -> np.ndarray:
     """A Flax-orientation array in cl-waffe2's orientation, on the host.
 
-    A numpy array on a CPU backend becomes a transposed *view*: :func:`encode`
-    writes it band by band (:func:`_npy_chunks`), so a save never holds a
-    transposed copy of the tree.  Anything else goes through the jit transpose.
+    A numpy array (or a jax array on a CPU backend, whose memory numpy
+    shares) becomes a transposed *view*: :func:`encode` writes it band by
+    band (:func:`_npy_chunks`), so a save never holds a transposed copy of
+    the tree nor sends host memory to a device and back.  A jax array on an
+    accelerator is transposed there by the jit transpose, then copied out.
     """
     from .. import quant
 
     if axes is None or np.ndim(arr) != len(axes):
         return np.asarray(arr)
-    if isinstance(arr, np.ndarray) and quant.on_cpu():
-        return arr.transpose(tuple(int(a) for a in axes))
+    if isinstance(arr, np.ndarray) or quant.on_cpu():
+        return np.asarray(arr).transpose(tuple(int(a) for a in axes))
     return quant.transpose(arr, axes)
+
+
+def _c_order(arr: Any) -> Any:
+    """A transposed view copied into C order (tiled, on the cores); anything else as it is."""
+    from ..transpose import copy_transposed
+
+    if not isinstance(arr, np.ndarray) or arr.flags.c_contiguous:
+        return arr
+    out = np.empty(arr.shape, arr.dtype)
+    copy_transposed(arr, out)
+    return out
 
 
 def _to_flax(
@@ -318,7 +332,12 @@ def _to_flax(
         arr = arr.reshape(stored_shape)
     if axes is None or arr.ndim != len(axes):
         return arr
-    return quant.transpose(arr, _inverse(axes))
+    if arr.dtype.isnative:
+        # A transposed view, no copy: the values are the file's, and whoever needs C
+        # order (an encoder, jax.device_put) pays one copy then, or none (a waffe2 save
+        # of it writes its C-ordered memory as is).
+        return arr.transpose(_inverse(axes))
+    return quant.transpose(arr, _inverse(axes))  # byte-swapped: a native-order copy
 
 
 # --------------------------------------------------------------------------
@@ -587,8 +606,9 @@ def encode(
     body = "{" + ",".join(f"{jonathan_string(k)}:{v}" for k, v in written.pairs) + "}"
     params_json = body.encode("utf-8", "surrogatepass")
     files: dict[str, Encoded] = {PARAMETERS: Encoded(chunks=(params_json,))}
+    bands = _Bands()
     for name, arr in written.files.items():
-        files[name] = Encoded(chunks=_npy_chunks(arr))
+        files[name] = Encoded(chunks=_npy_chunks(arr, bands))
     keep = bool(written.shapes) or bool(
         meta
         and (meta.get("layers") or meta.get("step") is not None or meta.get("count") is not None)
@@ -602,33 +622,53 @@ def encode(
 _BAND_BYTES = 4 << 20
 
 
-def _npy_chunks(arr: np.ndarray) -> tuple[Any, ...]:
+class _Bands:
+    """The band copies of every strided array of one encoding, made ahead of the writer.
+
+    Bands are numbered in file order; :class:`~pytreeio.transpose.Pipeline`
+    copies the next ones on the other cores while the writer writes one, so
+    at most ``cores + 1`` bands exist at a time.
+    """
+
+    def __init__(self) -> None:
+        self.makers: list[Any] = []
+        self._pipeline: Any = None
+
+    def add(self, part: np.ndarray) -> Deferred:
+        from ..transpose import copy_transposed
+
+        def make() -> Any:
+            out = np.empty(part.shape, part.dtype)
+            copy_transposed(part, out, parallel=False)
+            return out.reshape(-1).view(np.uint8)
+
+        index = len(self.makers)
+        self.makers.append(make)
+        return Deferred(part.nbytes, lambda: self._take(index))
+
+    def _take(self, index: int) -> Any:
+        if self._pipeline is None:
+            from ..transpose import Pipeline
+
+            self._pipeline = Pipeline(self.makers)
+        return self._pipeline.take(index)
+
+
+def _npy_chunks(arr: np.ndarray, bands: _Bands) -> tuple[Any, ...]:
     """The ``.npy`` of ``arr`` flattened (1-D, C order), its data streamed from the array.
 
     A C-contiguous array is written from its own memory.  A strided one (a
     transposed view) is copied into C order band by band as the file is
     written (:class:`~pytreeio.registry.Deferred` chunks of about
-    :data:`_BAND_BYTES`): no transposed copy of the whole array exists.
+    :data:`_BAND_BYTES`, made ahead by ``bands``): no transposed copy of the
+    whole array exists.
     """
     if arr.flags.c_contiguous or arr.ndim == 0:
         return tuple(npy.encode_npy(arr.reshape(-1)))
-    from .. import quant
-
     header = npy.npy_header(arr.dtype, (int(arr.size),))
     row_bytes = arr.nbytes // arr.shape[0]
     step = max(1, _BAND_BYTES // max(1, row_bytes))
-
-    def band(start: int) -> Deferred:
-        part = arr[start : start + step]
-
-        def produce() -> Any:
-            out = np.empty(part.shape, part.dtype)
-            quant.copy_transposed(part, out)
-            return out.reshape(-1).view(np.uint8)
-
-        return Deferred(part.nbytes, produce)
-
-    return (header, *(band(i) for i in range(0, arr.shape[0], step)))
+    return (header, *(bands.add(arr[i : i + step]) for i in range(0, arr.shape[0], step)))
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
@@ -879,14 +919,15 @@ def decode(source: Mapping[str, Any]) -> Decoded:
     side = _read_sidecar(source[SIDECAR], params_json) if SIDECAR in names else None
     native: dict[str, Any] = {}
     tensors: dict[str, np.ndarray] = {}
-    read: dict[str, np.ndarray] = {}  # each file once, however many entries name it
-    for raw, key, value in _checked(doc):
-        if isinstance(value, str):
-            name = tensor_file(value, raw, names)
-            if name not in read:
-                read[name] = _read_tensor(source, name)
-            value = tensors[raw] = read[name]
-        _insert(native, key, value, raw)
+    checked = _checked(doc)
+    read = _ReadAhead(source, _files_named(checked, names))
+    try:
+        for raw, key, value in checked:
+            if isinstance(value, str):
+                value = tensors[raw] = read.get(tensor_file(value, raw, names))
+            _insert(native, key, value, raw)
+    finally:
+        read.close()
     meta: dict[str, Any] = {"keys": [k for k, _ in doc]}
     if side is not None:
         _apply_shapes(native, tensors, side.shapes)
@@ -894,6 +935,54 @@ def decode(source: Mapping[str, Any]) -> Decoded:
             meta["layers"] = side.layers
         meta.update(side.counters)
     return Decoded(native, meta)
+
+
+def _files_named(checked: Sequence[tuple[str, StateDictKey, Any]], names: Any) -> list[str]:
+    """The tensor files the entries name, in order, up to the first bad path (raised in turn)."""
+    out: list[str] = []
+    for raw, _, value in checked:
+        if isinstance(value, str):
+            try:
+                name = tensor_file(value, raw, names)
+            except FormatError:
+                break
+            if name not in out:
+                out.append(name)
+    return out
+
+
+class _ReadAhead:
+    """The tensor files of a directory read (and parsed) on the pool while earlier ones are used.
+
+    One file at a time reads below the disk's speed (~0.7x of two readers);
+    reading them side by side gets it.  Each file is read once, however many
+    entries name it; errors come out at the entry that names the file.
+    """
+
+    def __init__(self, source: Mapping[str, Any], names: Sequence[str]) -> None:
+        self._source = source
+        self._done: dict[str, np.ndarray] = {}
+        self._jobs: dict[str, Any] = {}
+        if len(names) > 1:
+            from ..transpose import pool
+
+            workers = pool()
+            self._jobs = {n: workers.submit(_read_tensor, source, n) for n in names}
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._done:
+            job = self._jobs.pop(name, None)
+            self._done[name] = job.result() if job else _read_tensor(self._source, name)
+        return self._done[name]
+
+    def close(self) -> None:
+        """Wait for reads still running (the source may be closed once decode returns)."""
+        for job in self._jobs.values():
+            job.cancel()
+        for job in self._jobs.values():
+            if not job.cancelled():
+                job.exception()
+        self._jobs = {}
 
 
 def _apply_shapes(
@@ -1413,9 +1502,16 @@ def to_model(
         # when strict=False (restore into a native-shaped like keeps like's values instead).
         _settle(out, True, report, "the layer list")
     _settle(out, strict, report, "the layer list")
+    if like is None:
+        # A model for another format's encoder: C order (encoders write memory order as is);
+        # restoring into `like` keeps the transposed views (no copy).
+        per_layer = [{k: _c_order(v) for k, v in arrays.items()} for arrays in per_layer]
     model_layers = normalize_layers(entries, per_layer)
     count = meta.get("count")
     opt = _opt_state(native, plan, model_layers, namings, count if isinstance(count, int) else None)
+    if opt is not None and like is None:
+        slots = {k: [_c_order(a) for a in v] for k, v in opt.slots.items()}
+        opt = dataclasses.replace(opt, slots=slots)
     step = meta.get("step")
     return Model(tuple(model_layers), opt, step if isinstance(step, int) else None)
 

@@ -12,16 +12,26 @@ the same run (absolute numbers drift on shared machines; ratios mean more):
 * ``numpy``: float64 scale, trunc or round half away from zero, range check,
   cast (and ``.T`` copy), as a straightforward numpy implementation does it;
 * ``pytreeio``: :func:`pytreeio.quant.quantise` from a numpy array to a fresh
-  numpy array (on CPU: numpy in cache-sized blocks on every core; elsewhere the
-  jit kernel, transfers included), and the jit kernels on a device-resident
-  array (on CPU the transpose is a second call; see ``quant._fuses_transposes``).
+  numpy array (on CPU: :mod:`pytreeio.quant_host`, numpy in cache-sized blocks
+  on every core, float32 where exact, range check in the same pass; elsewhere
+  the jit kernel, transfers included);
+* ``pytreeio numpy`` / ``pytreeio numba``: the host path forced onto numpy's
+  blocks (``PYTREEIO_NO_NUMBA=1``) or onto the compiled kernels
+  (:mod:`pytreeio.kernels`; skipped when numba is not installed), and the
+  same for a bare transpose copy (``copy_transposed``) of the input;
+* ``jit from numpy``: the jit kernel from the same numpy array to a numpy
+  array (what ``quantise`` ran on CPU before the host path), and the jit kernels
+  on a device-resident array (on CPU the transpose is a second call; see
+  ``quant._fuses_transposes``).
 
-Every case quantises to i16 at scale 255 with rounding, from values that fit.
+Every case quantises to i16 at scale 255 with rounding (``trunc``: truncating), from
+values that fit.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pytreeio import quant
+from pytreeio import kernels, quant, transpose
 
 
 def numpy_quantise(x: np.ndarray, scale: int, transpose: bool) -> np.ndarray:
@@ -88,6 +98,13 @@ def main() -> None:
 
         return run
 
+    def jit_from_numpy(transpose: bool) -> Any:
+        with jax.enable_x64(True):
+            q, ok = quant._quantise_kernel("i16", True, transpose and fused)(x, scale64)
+        if transpose and not fused:
+            q = quant.transpose_to_device(q, (1, 0))
+        return np.asarray(q), bool(ok)
+
     cases: dict[str, Callable[[], Any]] = {
         "memcpy (host)": lambda: np.copyto(copy_dst, x),
         "np.copy (fresh buffer)": lambda: x.copy(),
@@ -96,9 +113,40 @@ def main() -> None:
         "numpy + transpose": lambda: numpy_quantise(x, 255, True),
         "pytreeio": lambda: quant.quantise(x, 255, "i16", round=True),
         "pytreeio + transpose": lambda: quant.quantise(x, 255, "i16", round=True, transpose=True),
+        "pytreeio trunc": lambda: quant.quantise(x, 255, "i16"),
+        "jit from numpy": lambda: jit_from_numpy(False),
+        "jit from numpy + transpose": lambda: jit_from_numpy(True),
         "kernel (device)": on_device(False),
         "kernel + transpose (device)": on_device(True),
     }
+
+    def backend(numba: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            if numba:
+                os.environ.pop("PYTREEIO_NO_NUMBA", None)
+            else:
+                os.environ["PYTREEIO_NO_NUMBA"] = "1"
+            try:
+                return fn()
+            finally:
+                os.environ.pop("PYTREEIO_NO_NUMBA", None)
+
+        return run
+
+    t_out = np.empty(x.shape[::-1], x.dtype)
+    for label, numba in (("numpy", False), ("numba", True)):
+        if numba and not kernels.available():
+            continue
+        cases[f"pytreeio {label}"] = backend(
+            numba, lambda: quant.quantise(x, 255, "i16", round=True)
+        )
+        cases[f"pytreeio {label} trunc"] = backend(numba, lambda: quant.quantise(x, 255, "i16"))
+        cases[f"pytreeio {label} + transpose"] = backend(
+            numba, lambda: quant.quantise(x, 255, "i16", round=True, transpose=True)
+        )
+        cases[f"copy_transposed f32 {label}"] = backend(
+            numba, lambda: transpose.copy_transposed(x.T, t_out)
+        )
     if args.host_only:
         cases = {k: v for k, v in cases.items() if "device" not in k}
     # the implementations agree before anything is timed
@@ -116,7 +164,9 @@ def main() -> None:
         if "device" in name and "copy (device)" not in best:
             continue
         numpy_t = best["numpy + transpose" if "transpose" in name else "numpy"]
-        vs_numpy = f"{numpy_t / t:8.2f}x" if name.startswith(("pytreeio", "kernel")) else ""
+        vs_numpy = f"{numpy_t / t:8.2f}x" if name.startswith(("pytreeio", "kernel", "jit")) else ""
+        if name.startswith("copy_transposed"):
+            vs_numpy = ""
         print(f"{name:<30} {nbytes / t / 1e9:8.2f} {base / t:8.2f}x {vs_numpy:>9}")
     print(
         "(x memcpy: bandwidth as a fraction of the memcpy of the same input, higher is better, "

@@ -1,0 +1,173 @@
+"""Compiled (numba) loops for host quantisation and transposes; numba is optional and imported lazily.
+
+numpy needs ~15 passes over a cache-sized block to quantise it and copies a
+transposed view with strided loads; a compiled loop does either in one pass.
+The kernels (:mod:`pytreeio._numba_kernels`) are single-threaded and release
+the GIL: callers split the work over :func:`pytreeio.transpose.pool` (numba's
+own ``parallel=True`` threading layer aborts when several Python threads
+launch kernels at once, as concurrent saves do).
+
+Quantisation follows :func:`pytreeio.quant.quantise`'s definition element by
+element: the float64 product ``Q*x``, ``trunc`` or rounding half away from
+zero, and the range check ``lo <= t <= hi`` on the float64 result (NaN fails
+it) counted in the same loop; values that do not fit are stored as arbitrary
+values.
+
+:func:`available` is false, and callers keep their numpy paths, when numba
+does not import, when ``PYTREEIO_NO_NUMBA=1`` is set, or when loading the
+kernels failed once.  Compiled code is cached on disk: ``__pycache__`` next
+to the kernels' module when it is writable, else numba's user cache directory
+(``NUMBA_CACHE_DIR`` when set); where none can be written they are compiled
+in memory, once per process.  Only arrays of at least :data:`MIN_BYTES` take
+these paths, and only once the kernels have been loaded on a background
+thread (:func:`use`), so no save waits for numba's import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "MIN_BYTES",
+    "available",
+    "use",
+    "quantise",
+    "transposable",
+    "transpose",
+]
+
+#: Arrays smaller than this stay on the numpy paths: the first call in a
+#: process imports numba (~0.5 s) and loads (or, the first time, compiles:
+#: ~1 s per kernel and type) the kernel, which a small save should not pay.
+MIN_BYTES = 2 << 20
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_failed = False
+
+
+def enabled() -> bool:
+    """Whether the compiled kernels may be used (``PYTREEIO_NO_NUMBA=1`` forces numpy)."""
+    return os.environ.get("PYTREEIO_NO_NUMBA", "") in ("", "0") and not _failed
+
+
+def available() -> bool:
+    """Whether the compiled kernels are enabled and numba imports (imports it on first call)."""
+    return enabled() and _load() is not None
+
+
+def use(nbytes: int) -> bool:
+    """Whether an array of ``nbytes`` should go through the compiled kernels; never waits.
+
+    The first large array starts loading numba and the kernels on a
+    background thread (import ~0.5 s, first kernel ~0.7 s even from the disk
+    cache) and is done by numpy meanwhile, as is every one until they are ready.
+    """
+    if nbytes < MIN_BYTES or not enabled():
+        return False
+    if _module is not None:
+        return True
+    _warm_up()
+    return False
+
+
+_warming: threading.Thread | None = None
+
+
+def _warm_up() -> None:
+    global _warming
+    with _lock:
+        if _warming is None:
+            _warming = threading.Thread(target=_load_and_run, name="pytreeio-kernels", daemon=True)
+            _warming.start()
+
+
+def _load_and_run() -> None:
+    """Load the kernels and run one (numba's code generator starts on the first call)."""
+    global _module
+    with _lock:
+        if _module is not None or _failed:
+            return
+    k = _load_module()
+    if k is not None:
+        try:
+            k.quantise_round(np.zeros(1, np.float32), np.zeros(1, np.int16), 1.0, 0.0, 0.0)
+        except Exception:  # a broken numba: leave the numpy paths in charge
+            return
+    with _lock:
+        _module = k
+
+
+def _load() -> ModuleType | None:
+    global _module
+    if _module is not None or _failed:
+        return _module
+    k = _load_module()
+    with _lock:
+        if _module is None:
+            _module = k
+    return _module
+
+
+def _load_module() -> ModuleType | None:
+    global _failed
+    try:  # the import lock makes concurrent first imports wait for one another
+        return importlib.import_module(f"{__package__}._numba_kernels")
+    except Exception:  # numba missing or broken: the numpy paths do the work
+        with _lock:
+            _failed = True
+        return None
+
+
+def _kernels() -> ModuleType:
+    k = _load()
+    if k is None:
+        raise RuntimeError("the compiled kernels are not available (check kernels.available())")
+    return k
+
+
+def _bounds(dtype: np.dtype[Any]) -> tuple[float, float]:
+    info = np.iinfo(dtype)
+    return float(info.min), float(info.max)
+
+
+def quantise(x: np.ndarray, out: np.ndarray, scale: int, round_: bool) -> int:
+    """Quantise 1-D float32 ``x`` into the 1-D integer array ``out``; returns how many values do not fit."""
+    k = _kernels()
+    kernel = k.quantise_round if round_ else k.quantise_trunc
+    return int(kernel(x, out, float(scale), *_bounds(out.dtype)))
+
+
+#: Unsigned integer types by itemsize: every element type is copied as its bits.
+_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def transposable(view: np.ndarray, out: np.ndarray) -> bool:
+    """Whether :func:`transpose` copies ``view`` into ``out`` (2-D, same dtype, 1-8 byte elements)."""
+    return (
+        view.ndim == 2
+        and view.dtype == out.dtype
+        and view.dtype.itemsize in _BITS
+        and not view.dtype.hasobject
+    )
+
+
+def transpose(view: np.ndarray, out: np.ndarray, start: int, stop: int) -> None:
+    """``out[start:stop] = view[start:stop]`` for a 2-D ``view`` (any strides) and C-contiguous ``out``.
+
+    Rows ``start:stop`` of ``out`` should be a multiple of :func:`tile` rows
+    apart for the fastest copy (any range is copied correctly).
+    """
+    bits = _BITS[view.dtype.itemsize]
+    _kernels().transpose_rows(view.T.view(bits), out.view(bits), int(start), int(stop))
+
+
+def tile() -> int:
+    """Rows per tile of the transposing kernels (callers split work on multiples of it)."""
+    return int(_kernels().TILE)

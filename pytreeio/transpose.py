@@ -1,0 +1,144 @@
+"""Host transposes: a strided (transposed) numpy view copied into C order, tiled, on the cores.
+
+numpy copies a transposed 2-D view element by element in the destination's
+order, one cache miss per element.  :func:`copy_transposed` copies bands of
+:data:`_TILE` source rows instead (whole cache lines read, ``_TILE``
+consecutive values written per destination row), and numpy releases the GIL
+in array copies, so a large copy is split into row ranges done at the same
+time on :func:`pool` (one thread per core).  Every element is copied, never
+computed: the result is bit-identical to ``view.copy()``.
+
+:class:`Pipeline` runs a sequence of such copies ahead of a consumer (a file
+writer): while band ``i`` is written, bands ``i+1 ... i+depth`` are copied on
+the pool, so at most ``depth + 1`` bands exist at a time.
+
+Where numba is installed, large same-dtype 2-D copies go through a compiled
+tiled kernel instead (:mod:`pytreeio.kernels`, about twice as fast per core;
+``PYTREEIO_NO_NUMBA=1`` keeps the numpy tiles).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from . import kernels
+
+__all__ = ["copy_transposed", "pool", "threads", "Pipeline"]
+
+#: Rows of the source copied per step: 16 float32 values are one 64-byte cache
+#: line of each destination row.
+_TILE = 16
+
+#: Below this many bytes a copy stays on the calling thread (a pool hand-off
+#: costs more than it saves).
+_PARALLEL_MIN = 1 << 20
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def threads() -> int:
+    """Worker threads of :func:`pool`: the cores this process may run on (at most 8)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        n = os.cpu_count() or 1
+    return max(1, min(8, n))
+
+
+def pool() -> ThreadPoolExecutor:
+    """The process-wide pool for GIL-releasing copies and reads (created on first use)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(threads(), thread_name_prefix="pytreeio-copy")
+        return _pool
+
+
+def _tiles(src: np.ndarray, dst: np.ndarray, start: int, stop: int) -> None:
+    for i in range(start, stop, _TILE):
+        j = min(i + _TILE, stop)
+        dst[i:j] = src[i:j]
+
+
+def copy_transposed(view: np.ndarray, out: np.ndarray, *, parallel: bool = True) -> None:
+    """``out[...] = view`` for a C-contiguous ``out`` and a strided (transposed) ``view``.
+
+    A 2-D view whose columns are closer in memory than its rows is copied in
+    tiles, split over :func:`pool`'s threads when it is large and
+    ``parallel`` (the calling thread does one share; a caller that already
+    runs on the pool passes ``parallel=False``).  Other layouts go through
+    ``np.copyto``.  ``out`` may differ from ``view`` in byte order only.
+    """
+    if view.shape != out.shape:
+        raise ValueError(f"shapes differ: {view.shape} into {out.shape}")
+    if not (view.ndim == 2 and view.shape[1] > 0 and abs(view.strides[0]) < abs(view.strides[1])):
+        np.copyto(out, view, casting="equiv")
+        return
+    parts = threads() if parallel and view.nbytes >= _PARALLEL_MIN else 1
+    if kernels.transposable(view, out) and kernels.use(view.nbytes):
+        _compiled(view, out, parts)
+        return
+    src, dst = view.T, out.T  # src rows are (nearly) contiguous runs of the source
+    rows = src.shape[0]
+    if parts <= 1 or rows < 2 * _TILE:
+        _tiles(src, dst, 0, rows)
+        return
+    share = -(-rows // parts // _TILE) * _TILE
+    bounds = [(s, min(s + share, rows)) for s in range(0, rows, share)]
+    jobs = [pool().submit(_tiles, src, dst, s, e) for s, e in bounds[1:]]
+    try:
+        _tiles(src, dst, *bounds[0])
+    finally:
+        for job in jobs:  # none may write into `out` once we return
+            job.result()
+
+
+def _compiled(view: np.ndarray, out: np.ndarray, parts: int) -> None:
+    """:func:`copy_transposed` by the compiled kernel, rows of ``out`` split over ``parts`` threads."""
+    rows = out.shape[0]
+    tile = kernels.tile()
+    share = max(tile, -(-rows // parts // tile) * tile)
+    bounds = [(s, min(s + share, rows)) for s in range(0, rows, share)]
+    jobs = [pool().submit(kernels.transpose, view, out, s, e) for s, e in bounds[1:]]
+    try:
+        kernels.transpose(view, out, *bounds[0])
+    finally:
+        for job in jobs:  # none may write into `out` once we return
+            job.result()
+
+
+class Pipeline:
+    """Buffers produced in order by ``makers``, each made on :func:`pool` ahead of its turn.
+
+    ``take(i)`` returns maker ``i``'s result, after starting makers up to
+    ``i + depth``; nothing starts before the first ``take``.  A consumer that
+    takes out of order still gets the right buffer (made on demand).
+    """
+
+    def __init__(self, makers: Sequence[Callable[[], Any]], depth: int | None = None) -> None:
+        self._makers = list(makers)
+        self._depth = max(1, threads()) if depth is None else depth
+        self._jobs: dict[int, Future[Any]] = {}
+        self._next = 0  # the first maker not yet started
+        self._lock = threading.Lock()
+
+    def take(self, i: int) -> Any:
+        with self._lock:
+            job = self._jobs.pop(i, None)
+            if job is None and i >= self._next:
+                self._next = max(self._next, i + 1)
+            stop = min(len(self._makers), i + 1 + self._depth)
+            while self._next < stop:
+                self._jobs[self._next] = pool().submit(self._makers[self._next])
+                self._next += 1
+        if job is None:
+            # not started ahead (taken out of order): make it here, spread over the cores
+            return self._makers[i]()
+        return job.result()

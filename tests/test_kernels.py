@@ -1,0 +1,179 @@
+"""The compiled kernels (pytreeio.kernels): exact rounding, dispatch, the switch, lazy import, caches."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pytreeio import kernels, quant, quant_host, transpose
+
+needs_numba = pytest.mark.skipif(not kernels.available(), reason="numba is not installed")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def half_away(v: np.ndarray) -> np.ndarray:
+    t = np.trunc(v)
+    return t + np.where(np.abs(v - t) >= 0.5, np.sign(v), 0.0)
+
+
+@needs_numba
+def test_round_half_away_on_every_edge_double() -> None:
+    from pytreeio import _numba_kernels as nk
+
+    # each half-integer and integer edge, and the doubles 1-3 ulps either side of it
+    edges = np.concatenate([np.arange(-6, 6.5, 0.5), [2.0**22 + 0.5, 2.0**31 - 0.5, 2.0**51 + 0.5]])
+    vs = [edges]
+    up, down = edges.copy(), edges.copy()
+    for _ in range(3):
+        up, down = np.nextafter(up, np.inf), np.nextafter(down, -np.inf)
+        vs += [up, down]
+    v = np.concatenate([*vs, [0.5 - 2.0**-54, -(0.5 - 2.0**-54), 0.0, -0.0, 2.0**53 - 1]])
+    got = np.array([nk._q_round(float(e), 1.0) for e in v])
+    assert np.array_equal(got, half_away(v))
+    got_t = np.array([nk._q_trunc(float(e), 1.0) for e in v])
+    assert np.array_equal(got_t, np.trunc(v))
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32])
+@pytest.mark.parametrize("rnd", [False, True])
+def test_kernels_count_what_does_not_fit(dtype: type, rnd: bool) -> None:
+    info = np.iinfo(dtype)
+    x = np.float32([0.0, 1.5, -2.5, info.max + 0.49, info.min - 0.49, np.nan, np.inf, -np.inf])
+    x = np.concatenate([x, np.float32([info.max + 1.0, info.min - 1.0])])
+    out = np.empty(x.size, dtype)
+    with np.errstate(invalid="ignore"):
+        v = x.astype(np.float64)
+        want = half_away(v) if rnd else np.trunc(v)
+        fits = (want >= info.min) & (want <= info.max)
+    assert kernels.quantise(x, out, 1, rnd) == int((~fits).sum())
+    assert np.array_equal(out[fits], want[fits].astype(dtype))
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", ["<f4", ">f8", "<i2", "|u1", "|b1", "<c8"])
+def test_transpose_every_itemsize_and_odd_ranges(dtype: str) -> None:
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (70, 45 * np.dtype(dtype).itemsize), dtype=np.uint8).view(dtype)
+    if np.dtype(dtype).kind == "b":
+        a = a.view(np.uint8) & 1
+        a = a.view(dtype)
+    out = np.zeros(a.shape[::-1], a.dtype)
+    assert kernels.transposable(a.T, out)
+    for start, stop in ((0, 7), (7, 40), (40, 45)):  # ranges not on tile edges
+        kernels.transpose(a.T, out, start, stop)
+    assert out.tobytes() == a.T.copy().tobytes()
+    strided = a[::2, ::-3].T  # any strides
+    out2 = np.empty(strided.shape, a.dtype)
+    kernels.transpose(strided, out2, 0, out2.shape[0])
+    assert out2.tobytes() == strided.copy().tobytes()
+
+
+def test_not_transposable() -> None:
+    a = np.zeros((3, 4), ">f4")
+    assert not kernels.transposable(a.T, np.empty((4, 3), "<f4"))  # a byte swap: numpy's job
+    assert not kernels.transposable(a.T.astype("c16"), np.empty((4, 3), "c16"))
+    assert not kernels.transposable(np.zeros((2, 2), object), np.zeros((2, 2), object))
+
+
+@needs_numba
+def test_large_arrays_take_the_kernels_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    real_q, real_t = kernels.quantise, kernels.transpose
+    monkeypatch.setattr(kernels, "quantise", lambda *a: calls.append("q") or real_q(*a))
+    monkeypatch.setattr(kernels, "transpose", lambda *a: calls.append("t") or real_t(*a))
+    monkeypatch.setattr(kernels, "MIN_BYTES", 1 << 16)
+    small = np.ones((10, 10), np.float32)
+    big = np.random.default_rng(1).uniform(-1, 1, (300, 100)).astype(np.float32)  # 120 kB
+    quant.quantise(small, 255, "i16")
+    transpose.copy_transposed(small.T, np.empty((10, 10), np.float32))
+    assert calls == []
+    q = quant.quantise(big, 255, "i16")
+    out = np.empty((100, 300), np.float32)
+    transpose.copy_transposed(big.T, out)
+    assert "q" in calls and "t" in calls and out.tobytes() == big.T.copy().tobytes()
+    calls.clear()
+    monkeypatch.setenv("PYTREEIO_NO_NUMBA", "1")
+    assert not kernels.available() and not kernels.use(1 << 30)
+    assert np.array_equal(quant.quantise(big, 255, "i16"), q)
+    transpose.copy_transposed(big.T, out)
+    assert calls == []
+
+
+def test_numba_missing_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "_module", None)
+    monkeypatch.setattr(kernels, "_failed", False)
+    monkeypatch.setitem(sys.modules, "pytreeio._numba_kernels", None)  # import fails
+    monkeypatch.setattr(kernels, "MIN_BYTES", 0)
+    assert not kernels.available()
+    x = np.float32([[0.5, -1.5], [2.25, 3.0]])
+    assert quant.quantise(x, 2, "i8", round=True, transpose=True).tolist() == [[1, 5], [-3, 6]]
+    q, lo, hi = quant_host.quantise(x, 2, np.dtype(np.int8), round_=True, checked=False)
+    assert (lo, hi) == (-1.5, 3.0) and q.tolist() == [[1, -3], [5, 6]]
+
+
+def test_import_does_not_load_numba() -> None:
+    code = (
+        "import sys, numpy as np, pytreeio\n"
+        "from pytreeio import quant\n"
+        "quant.quantise(np.ones((64, 64), np.float32), 255, 'i16', transpose=True)\n"
+        "assert 'numba' not in sys.modules, 'numba imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+@needs_numba
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes anywhere")
+def test_read_only_install_still_works(tmp_path: Path) -> None:
+    """No writable cache (package and NUMBA_CACHE_DIR read-only): compiled in memory, same bits."""
+    pkg = tmp_path / "site" / "pytreeio"
+    shutil.copytree(ROOT / "pytreeio", pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for path in [cache, *pkg.rglob("*"), pkg]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    _run_kernel_in(tmp_path / "site", {"NUMBA_CACHE_DIR": str(cache)})
+
+
+@needs_numba
+def test_no_cache_locator_still_works(tmp_path: Path) -> None:
+    """numba finds no cache locator at all (as in a read-only install as non-root): no failure."""
+    pkg = tmp_path / "site" / "pytreeio"
+    shutil.copytree(ROOT / "pytreeio", pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shim = tmp_path / "site" / "sitecustomize.py"
+    shim.write_text(
+        "from numba.core import caching\n"
+        "caching._CacheImpl._locator_classes = []\n"  # every locator refuses
+    )
+    _run_kernel_in(tmp_path / "site", {})
+
+
+def _run_kernel_in(site: Path, env: dict[str, str]) -> None:
+    code = (
+        "import numpy as np\n"
+        "from pytreeio import kernels\n"
+        "assert kernels.available()\n"
+        "x = np.float32([0.5, -0.5, 1.25, 7.0])\n"
+        "out = np.empty(4, np.int16)\n"
+        "assert kernels.quantise(x, out, 2, True) == 0 and out.tolist() == [1, -1, 3, 14]\n"
+    )
+    full = {**os.environ, **env, "PYTHONPATH": str(site)}
+    full.pop("PYTREEIO_NO_NUMBA", None)
+    subprocess.run([sys.executable, "-c", code], check=True, env=full, cwd=site)
+
+
+@needs_numba
+def test_first_large_array_does_not_wait_for_numba(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "_module", None)
+    monkeypatch.setattr(kernels, "_warming", None)
+    assert not kernels.use(1 << 30)  # loading starts in the background; numpy does this one
+    warming = kernels._warming
+    assert warming is not None
+    warming.join(60)
+    assert kernels.use(1 << 30) and not kernels.use(kernels.MIN_BYTES - 1)

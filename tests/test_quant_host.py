@@ -1,0 +1,178 @@
+"""pytreeio.quant on the host (numpy blocks, float32 where exact; compiled kernels) against the float64 definition."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pytreeio import quant, quant_host
+from pytreeio.errors import QuantisationError
+
+CASES = [
+    ("i8", 127),
+    ("i8", 64),
+    ("i16", 255),
+    ("i16", 64),
+    ("i16", 16320),
+    ("i16", 2**24 - 1),  # the largest float32-exact scale
+    ("i16", 2**24 + 1),  # not a float32: float64 throughout
+    ("i32", 255),
+    ("i32", 255 * 64 * 64),
+    ("i32", 2**31 - 1),
+]
+
+
+def definition(x: np.ndarray, scale: int, type_name: str, rnd: bool) -> tuple[np.ndarray, bool]:
+    """``(q, every value fits)``: the float64 product, trunc or half-away rounding (exact steps)."""
+    with np.errstate(all="ignore"):
+        v = x.astype(np.float64) * np.float64(scale)
+        t = np.trunc(v)
+        if rnd:
+            t += np.where(np.abs(v - t) >= 0.5, np.sign(v), 0.0)
+        info = np.iinfo(quant.INT_TYPES[type_name])
+        fits = (t >= info.min) & (t <= info.max)
+        return np.where(fits, t, 0).astype(quant.INT_TYPES[type_name]), bool(fits.all())
+
+
+def adversarial(scale: int, type_name: str) -> np.ndarray:
+    """float32 values whose product lies on, or one ulp off, every integer and half-integer edge."""
+    info = np.iinfo(quant.INT_TYPES[type_name])
+    top = min(float(info.max), 2.0**24)
+    ks = np.concatenate([np.arange(-40, 41), np.geomspace(1, top, 60), -np.geomspace(1, top, 60)])
+    edges = np.concatenate([ks, ks + 0.5, [info.max, info.min, info.max + 0.5, info.min - 0.5]])
+    centre = (edges / scale).astype(np.float32)
+    xs = [centre]
+    up, down = centre.copy(), centre.copy()
+    for _ in range(3):
+        up = np.nextafter(up, np.float32(np.inf))
+        down = np.nextafter(down, np.float32(-np.inf))
+        xs += [up, down]
+    tiny = np.float32([0.0, -0.0, 1e-45, -1e-45, 1e-38, -1e-38, 1.1754942e-38])
+    return np.concatenate([*xs, tiny])
+
+
+def fitting(x: np.ndarray, scale: int, type_name: str, rnd: bool) -> np.ndarray:
+    """``x`` with every value that does not fit replaced by 0."""
+    with np.errstate(all="ignore"):
+        v = x.astype(np.float64) * scale
+        t = np.trunc(v)
+        if rnd:
+            t += np.where(np.abs(v - t) >= 0.5, np.sign(v), 0.0)
+    info = np.iinfo(quant.INT_TYPES[type_name])
+    return np.where((t >= info.min) & (t <= info.max), x, np.float32(0))
+
+
+# every test on the numpy path and on the compiled kernels (at every size)
+pytestmark = pytest.mark.usefixtures("kernel_backend")
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 64 values, threads from 2 blocks on: every path on small arrays."""
+    monkeypatch.setattr(quant_host, "BLOCK", 64)
+    monkeypatch.setattr(quant_host, "_COMPILED_BLOCK", 64)
+    monkeypatch.setattr(quant_host, "_PARALLEL_BLOCKS", 2)
+
+
+def test_runs_on_the_host() -> None:
+    assert quant.on_cpu()  # the suite runs jax on the CPU
+    pending = quant.quantise_async(np.float32([0.5, 1.0]), 255, "i16")
+    assert pending.result().tolist() == [127, 255]
+
+
+@pytest.mark.parametrize("type_name,scale", CASES)
+@pytest.mark.parametrize("rnd", [False, True])
+@pytest.mark.parametrize("blocks", ["one", "many"])
+def test_adversarial_against_definition(
+    type_name: str, scale: int, rnd: bool, blocks: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if blocks == "many":
+        monkeypatch.setattr(quant_host, "BLOCK", 64)
+        monkeypatch.setattr(quant_host, "_COMPILED_BLOCK", 64)
+        monkeypatch.setattr(quant_host, "_PARALLEL_BLOCKS", 2)
+    x = fitting(adversarial(scale, type_name), scale, type_name, rnd)
+    rng = np.random.default_rng(scale)
+    x = x[rng.permutation(x.size)]  # flagged elements spread over the blocks
+    want, ok = definition(x, scale, type_name, rnd)
+    assert ok
+    assert np.array_equal(quant.quantise(x, scale, type_name, round=rnd), want)
+    x2 = x[: x.size // 7 * 7].reshape(-1, 7)
+    t = quant.quantise(x2, scale, type_name, round=rnd, transpose=True)
+    assert t.flags.c_contiguous and np.array_equal(t, want[: x2.size].reshape(-1, 7).T)
+    checked = quant.check_quantisable(x2, scale, type_name, round=rnd)
+    q = quant.quantise_async(checked, scale, type_name, round=rnd, transpose=True).result()
+    assert q.tobytes() == t.tobytes()
+
+
+@pytest.mark.parametrize("type_name,scale", [("i8", 127), ("i16", 255), ("i32", 2**20 + 1)])
+@pytest.mark.parametrize("rnd", [False, True])
+def test_dense_bit_ranges(type_name: str, scale: int, rnd: bool) -> None:
+    """Every float32 in 2**18-wide bit ranges at 1/Q, 0.5/Q and near the type's top."""
+    info = np.iinfo(quant.INT_TYPES[type_name])
+    xs = []
+    for centre in (1 / scale, 0.5 / scale, 1.0078431, (info.max - 0.5) / scale):
+        start = int(np.float32(centre).view(np.int32)) - (1 << 17)
+        bits = np.arange(start, start + (1 << 18), dtype=np.int32)
+        xs += [bits.view(np.float32), -bits.view(np.float32)]
+    x = fitting(np.concatenate(xs), scale, type_name, rnd)
+    want, _ = definition(x, scale, type_name, rnd)
+    assert np.array_equal(quant.quantise(x, scale, type_name, round=rnd), want)
+
+
+@pytest.mark.parametrize("type_name,scale", CASES)
+@pytest.mark.parametrize("rnd", [False, True])
+def test_random_bit_patterns(type_name: str, scale: int, rnd: bool, small_blocks: None) -> None:
+    rng = np.random.default_rng(scale + rnd)
+    x = rng.integers(0, 2**32, 20_000, dtype=np.uint32).view(np.float32)
+    x = fitting(x, scale, type_name, rnd)  # NaN, inf and huge values become 0
+    x[::3] = rng.uniform(-1, 1, x[::3].size).astype(np.float32) * np.float32(1000 / scale)
+    x = fitting(x, scale, type_name, rnd)
+    want, ok = definition(x, scale, type_name, rnd)
+    assert ok
+    assert np.array_equal(quant.quantise(x, scale, type_name, round=rnd), want)
+
+
+@pytest.mark.parametrize("rnd", [False, True])
+def test_float64_fallbacks(rnd: bool, small_blocks: None) -> None:
+    # all-zero blocks (truncation flags every element), i32 blocks above 2**22, small ones
+    x = np.zeros(64 * 9, np.float32)
+    x[64:128] = np.float32(3e6) + np.arange(64, dtype=np.float32) * 0.25  # |Q*x| >= 2**22
+    x[128:192] = np.float32(0.5)
+    x[192:] = np.random.default_rng(1).uniform(-10, 10, x[192:].size).astype(np.float32)
+    for type_name, scale in (("i32", 255), ("i32", 1), ("i16", 3)):
+        y = fitting(x, scale, type_name, rnd)
+        want, ok = definition(y, scale, type_name, rnd)
+        assert ok
+        assert np.array_equal(quant.quantise(y, scale, type_name, round=rnd), want)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 1e6, -1e6])
+@pytest.mark.parametrize("where", [0, 200, 575])
+def test_errors_name_the_first_element(bad: float, where: int, small_blocks: None) -> None:
+    x = np.random.default_rng(2).uniform(-1, 1, 576).astype(np.float32)
+    x[where] = bad
+    x[where + 1 :: 97] = bad
+    for call in (
+        lambda: quant.quantise(x, 255, "i16", round=True, name="w"),
+        lambda: quant.check_quantisable(x, 255, "i16", round=True, name="w"),
+    ):
+        with pytest.raises(QuantisationError) as info:
+            call()
+        assert (info.value.tensor, info.value.index) == ("w", where)
+
+
+def test_min_max() -> None:
+    x = np.random.default_rng(3).standard_normal(300_000).astype(np.float32)
+    assert quant_host.min_max(x) == (float(x.min()), float(x.max()))
+    x[123_456] = np.nan
+    lo, hi = quant_host.min_max(x)
+    assert np.isnan(lo) and np.isnan(hi)
+
+
+def test_jax_array_on_the_host() -> None:
+    import jax.numpy as jnp
+
+    x = np.random.default_rng(4).uniform(-3, 3, (50, 30)).astype(np.float32)
+    want, _ = definition(x, 255, "i16", True)
+    q = quant.quantise(jnp.asarray(x), 255, "i16", round=True, transpose=True)
+    assert np.array_equal(q, want.T)
