@@ -1,29 +1,36 @@
-"""The whole-tree fast path of :func:`pytreeio.tree.restore`: is the decoded tree already the result?
+"""The whole-tree fast path of :func:`pytreeio.tree.restore` for plain dict trees.
 
 ``load(path, like=state)`` of the same model is the common restore: the
 decoded tree and ``like`` are nested str-keyed dicts in the same key order,
 with numpy leaves of the same shapes and dtypes.  The decoded tree is then
-exactly what the general walk would build, so it is returned as it is.
+exactly what the general walk would build, so it is returned as it is.  When
+``like``'s leaves are jax arrays or ``jax.ShapeDtypeStruct``\\ s instead, the
+result is the same nesting with every leaf moved to its template's sharding,
+and all the leaves go to jax in one batched ``jax.device_put``: the general
+walk's per-leaf calls cost about twice as much (each ``device_put`` call has a
+fixed dispatch cost).
 
 The check costs well under the general walk (which builds every container and
 key path): both trees' structures are compared as one string each, written by
 ``orjson`` (optional) with the leaves collected in order by its ``default``
 hook, and the leaves are compared in bulk.  Anything else (other containers,
-``None``, scalars, jax arrays, a single difference) answers False, and the
-general walk restores it and words any error.
+``None``, scalars, typed PRNG keys, a single difference, a failing transfer)
+is left to the general walk, which restores it and words any error.
 """
 
 from __future__ import annotations
 
 import operator
+import sys
 from typing import Any
 
 import numpy as np
 
-__all__ = ["same_plain_tree"]
+__all__ = ["same_plain_tree", "fast_restore"]
 
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
+_SHARDING = operator.attrgetter("sharding")
 
 _DUMPS: list[Any] = []  # [orjson.dumps or None, its options], looked up on first use
 
@@ -54,6 +61,53 @@ def same_plain_tree(native: dict[Any, Any], like: dict[Any, Any]) -> bool:
     both sides, whose leaves are all ``numpy.ndarray`` (exactly; not
     subclasses, scalars or ``None``) with equal shapes and dtypes.
     """
+    leaves = _plain_leaves(native, like)
+    if leaves is None:
+        return False
+    native_leaves, like_leaves = leaves
+    kinds = {*map(type, like_leaves), *map(type, native_leaves)}
+    return (not kinds or kinds == {np.ndarray}) and _same_specs(native_leaves, like_leaves)
+
+
+def fast_restore(native: dict[Any, Any], like: dict[Any, Any], convert: bool) -> Any:
+    """What :func:`pytreeio.tree.restore` returns for a plain dict tree, or None: not one.
+
+    ``native`` itself where :func:`same_plain_tree` holds.  Where ``like``'s
+    leaves are also jax arrays or ``jax.ShapeDtypeStruct``\\ s (not typed PRNG
+    keys) of the native leaves' shapes and dtypes: ``like``'s nesting of the
+    native arrays, each put where the general walk puts it
+    (``jax.device_put(leaf, template.sharding)``: committed to a template
+    array's sharding, uncommitted on the default device for a
+    ``ShapeDtypeStruct`` without one), or the native arrays as they are when
+    ``convert`` is false.  None sends the tree to the general walk, which also
+    words every error.
+    """
+    leaves = _plain_leaves(native, like)
+    if leaves is None:
+        return None
+    native_leaves, like_leaves = leaves
+    if {*map(type, native_leaves)} - {np.ndarray}:
+        return None
+    jax_kinds = {*map(type, like_leaves)} - {np.ndarray}
+    if jax_kinds and not _jax_kinds(jax_kinds):
+        return None
+    if not _same_specs(native_leaves, like_leaves):
+        return None
+    if not jax_kinds or not convert:
+        return native
+    # numpy dtypes only: a typed PRNG key's dtype is jax's own (the general walk wraps those)
+    if not all(isinstance(dt, np.dtype) for dt in {*map(_DTYPE, like_leaves)}):
+        return None
+    placed = _placed(native_leaves, like_leaves)
+    if placed is None:
+        return None
+    return _fill(like, iter(placed))
+
+
+def _plain_leaves(
+    native: dict[Any, Any], like: dict[Any, Any]
+) -> tuple[list[Any], list[Any]] | None:
+    """Both trees' leaves in order, where both are the same nesting of str-keyed dicts."""
     like_leaves: list[Any] = []
     native_leaves: list[Any] = []
     dumps, opts = _dumps()
@@ -61,30 +115,89 @@ def same_plain_tree(native: dict[Any, Any], like: dict[Any, Any]) -> bool:
         try:
             text = dumps(like, default=like_leaves.append, option=opts)
             if text != dumps(native, default=native_leaves.append, option=opts):
-                return False
+                return None
         except (TypeError, ValueError):  # non-str keys, nesting beyond orjson's limit, ...
-            return False
+            return None
         # Every member's value must be a dict or a collected leaf (written as null by the
         # hook's None): each ':' is followed by '{' or 'null', and the nulls are exactly the
         # leaves, so the tree holds no None, NaN (also null), scalar or list.  A key holding
         # ':null' or ':{' only adds to both sides of a count and can only make it fail.
         nulls = text.count(b":null")
         if nulls != len(like_leaves) or text.count(b":") != nulls + text.count(b":{"):
-            return False
+            return None
     else:
         try:
             if not _collect(native, like, native_leaves, like_leaves):
-                return False
+                return None
         except RecursionError:  # the general walk reports what it finds that deep
-            return False
+            return None
     if len(native_leaves) != len(like_leaves):  # a None of `native` where `like` has a leaf
-        return False
-    kinds = {*map(type, like_leaves), *map(type, native_leaves)}
-    if kinds and kinds != {np.ndarray}:
-        return False
+        return None
+    return native_leaves, like_leaves
+
+
+def _same_specs(native_leaves: list[Any], like_leaves: list[Any]) -> bool:
     return list(map(_SHAPE, like_leaves)) == list(map(_SHAPE, native_leaves)) and list(
         map(_DTYPE, like_leaves)
     ) == list(map(_DTYPE, native_leaves))
+
+
+def _jax_kinds(kinds: set[type]) -> bool:
+    """Whether every template leaf type is a concrete jax array or ``jax.ShapeDtypeStruct``.
+
+    (Tracers are jax arrays too: the general walk sees to those.)  jax is loaded
+    whenever a template holds one of them: nothing else can make them.
+    """
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return False
+    for kind in kinds:
+        if kind is not jax.ShapeDtypeStruct and (
+            not issubclass(kind, jax.Array) or issubclass(kind, jax.core.Tracer)
+        ):
+            return False
+    return True
+
+
+def _placed(native_leaves: list[Any], like_leaves: list[Any]) -> list[Any] | None:
+    """Each native leaf as the kind its template is, the jax ones in batched transfers.
+
+    None when a transfer fails: the general walk then fails at that leaf's key.
+    """
+    import jax
+
+    out = list(native_leaves)
+    ndarray = np.ndarray
+    on_default: list[int] = []  # templates without a sharding: jax's default device
+    placed: list[int] = []
+    shardings: list[Any] = []
+    for i, lv in enumerate(like_leaves):
+        if type(lv) is ndarray:
+            continue
+        sharding = getattr(lv, "sharding", None)
+        if sharding is None:
+            on_default.append(i)
+        else:
+            placed.append(i)
+            shardings.append(sharding)
+    try:
+        # One call per group: a None inside a list of shardings would read as an empty subtree.
+        if placed:
+            moved = jax.device_put([native_leaves[i] for i in placed], shardings)
+            for i, arr in zip(placed, moved, strict=True):
+                out[i] = arr
+        if on_default:
+            moved = jax.device_put([native_leaves[i] for i in on_default])
+            for i, arr in zip(on_default, moved, strict=True):
+                out[i] = arr
+    except Exception:
+        return None
+    return out
+
+
+def _fill(like: dict[str, Any], leaves: Any) -> dict[str, Any]:
+    """``like``'s nesting of dicts (its key order) with the next of ``leaves`` at each leaf."""
+    return {k: _fill(v, leaves) if type(v) is dict else next(leaves) for k, v in like.items()}
 
 
 def _collect(native: dict[Any, Any], like: dict[Any, Any], nl: list[Any], ll: list[Any]) -> bool:

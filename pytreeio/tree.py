@@ -40,7 +40,7 @@ import numpy as np
 from . import keys as prng_keys
 from . import nnx
 from .errors import MismatchError
-from .restore_fast import same_plain_tree
+from .restore_fast import fast_restore
 
 __all__ = [
     "flatten",
@@ -501,10 +501,14 @@ def restore(
 
     Where ``native`` already is that result (nested str-keyed dicts in
     ``like``'s key order, numpy leaves of ``like``'s shapes and dtypes) it is
-    returned itself, containers included: see :mod:`pytreeio.restore_fast`.
+    returned itself, containers included; where ``like``'s leaves are jax
+    arrays instead, they are placed in one batched transfer: see
+    :mod:`pytreeio.restore_fast`.
     """
-    if type(like) is dict and type(native) is dict and same_plain_tree(native, like):
-        return native
+    if type(like) is dict and type(native) is dict:
+        fast = fast_restore(native, like, convert)
+        if fast is not None:
+            return fast
     return _restore(native, like, path, convert)
 
 

@@ -638,12 +638,14 @@ def test_parallel_read_waits_for_every_job_before_closing_the_file(
     failed: list[BaseException] = []
     closed: list[int] = []
 
-    def read_range(fd: int, view: memoryview, start: int, stop: int, name: str) -> None:
+    def read_range(
+        fd: int, view: memoryview, start: int, stop: int, name: str, *, file_offset: int = 0
+    ) -> None:
         if start == 0:
             raise OSError(errno.EIO, "Input/output error", name)
         time.sleep(0.05)
         try:
-            real(fd, view, start, stop, name)
+            real(fd, view, start, stop, name, file_offset=file_offset)
         except BaseException as exc:  # EBADF if the descriptor were closed under us
             failed.append(exc)
         finished.append(start)

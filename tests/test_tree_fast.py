@@ -25,13 +25,13 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 def _general(native: Any, like: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     with monkeypatch.context() as m:
-        m.setattr(tree, "same_plain_tree", lambda native, like: False)
+        m.setattr(tree, "fast_restore", lambda native, like, convert: None)
         return tree.restore(native, like)
 
 
 def _general_error(native: Any, like: Any, monkeypatch: pytest.MonkeyPatch) -> MismatchError:
     with monkeypatch.context() as m:
-        m.setattr(tree, "same_plain_tree", lambda native, like: False)
+        m.setattr(tree, "fast_restore", lambda native, like, convert: None)
         with pytest.raises(MismatchError) as info:
             tree.restore(native, like)
     return info.value
@@ -205,3 +205,154 @@ def test_jax_like_leaves_are_placed(backend: str) -> None:
     out = tree.restore(native, like)
     assert isinstance(out["w"], jax.Array)
     assert np.array_equal(np.asarray(out["w"]), native["w"])
+
+
+# --------------------------------------------------------------------------
+# jax templates: one batched transfer, the same result as the general walk's per-leaf ones
+# --------------------------------------------------------------------------
+
+
+def _jax_like(jax: Any, like: Any, kind: str) -> Any:
+    """``like`` with jax leaves: arrays, ShapeDtypeStructs (with/without sharding), or mixed."""
+    dev = jax.devices()[0]
+
+    def leaf(path: Any, x: np.ndarray) -> Any:
+        if kind == "array":
+            return jax.device_put(x, dev)
+        if kind == "weak":  # a weak-typed template: the result is not weak (a plain transfer)
+            return jax.numpy.asarray(x) if x.ndim else jax.numpy.asarray(x.item())
+        if kind == "struct":
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        if kind == "struct_sharded":
+            return jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(dev)
+            )
+        # mixed: numpy, arrays and structs side by side (the groups are put apart)
+        choice = len(path) % 3
+        if choice == 0:
+            return x
+        return jax.device_put(x, dev) if choice == 1 else jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    def walk(x: Any, path: str) -> Any:  # keeps the key order (jax's tree_map sorts it)
+        if type(x) is dict:
+            return {k: walk(v, f"{path}/{k}") for k, v in x.items()}
+        return leaf(path, x)
+
+    return walk(like, "")
+
+
+def _params32() -> dict[str, Any]:
+    """:func:`_params` with int32 steps (jax without x64 has no int64 arrays)."""
+    out = _params()
+    for layer in out["params"].values():
+        layer["step"] = layer["step"].astype(np.int32)
+    return out
+
+
+def _assert_same_placed(jax: Any, got: Any, want: Any) -> None:
+    """Same nesting, key order, leaf kinds, bytes, dtype, weak type, sharding, committed-ness."""
+    assert type(got) is type(want)
+    if isinstance(want, dict):
+        assert list(got) == list(want)
+        for k in want:
+            _assert_same_placed(jax, got[k], want[k])
+        return
+    assert type(got) is type(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    if isinstance(want, jax.Array):
+        assert got.sharding == want.sharding
+        assert got.committed == want.committed
+        assert got.weak_type == want.weak_type
+
+
+@pytest.mark.parametrize("kind", ["array", "weak", "struct", "struct_sharded", "mixed"])
+def test_jax_like_fast_path_matches_the_general_walk(
+    backend: str, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jax = pytest.importorskip("jax")
+    base = _params32()
+    base["params"]["layer1"]["bf16"] = np.arange(5, dtype=np.float32).astype(jax.numpy.bfloat16)
+    like = _jax_like(jax, base, kind)
+    native = _copy(base)
+    calls: list[int] = []
+    real = jax.device_put
+
+    def counting(x: Any, *args: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return real(x, *args, **kw)
+
+    monkeypatch.setattr(jax, "device_put", counting)
+    got = tree.restore(native, like)
+    assert len(calls) <= 2  # batched: one call per group, not one per leaf
+    want = _general(_copy(base), like, monkeypatch)
+    _assert_same_placed(jax, got, want)
+    assert got is not native and list(got["params"]) == list(like["params"])
+
+
+def test_jax_like_convert_false_gives_the_native_arrays(backend: str) -> None:
+    jax = pytest.importorskip("jax")
+    like = _jax_like(jax, _params32(), "array")
+    native = _copy(_params32())
+    out = tree.restore(native, like, convert=False)
+    assert out is native  # the general walk's leaves too: numpy, unconverted
+
+
+@pytest.mark.parametrize(("name", "mutate"), _mutations())
+def test_jax_like_mismatch_gives_the_general_error(
+    backend: str, name: str, mutate: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jax = pytest.importorskip("jax")
+    like = _jax_like(jax, _params32(), "array")
+    native = _copy(_params32())
+    mutate(native)
+    assert restore_fast.fast_restore(native, like, True) is None
+    want = _general_error(_copy(native), like, monkeypatch)
+    with pytest.raises(MismatchError) as info:
+        tree.restore(native, like)
+    assert str(info.value) == str(want)
+    assert info.value.key_path == want.key_path
+
+
+def test_jax_like_failed_transfer_fails_at_the_key_like_the_general_walk(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jax = pytest.importorskip("jax")
+    like = _jax_like(jax, _params32(), "array")
+    native = _copy(_params32())
+    real = jax.device_put
+
+    def refuse_bias(x: Any, *args: Any, **kw: Any) -> Any:
+        # the batched call (a list) and the general walk's call for one float16 leaf fail
+        if isinstance(x, list) or (isinstance(x, np.ndarray) and x.dtype == np.float16):
+            raise RuntimeError("no room on the device")
+        return real(x, *args, **kw)
+
+    monkeypatch.setattr(jax, "device_put", refuse_bias)
+    assert restore_fast.fast_restore(_copy(_params32()), like, True) is None
+    with pytest.raises(RuntimeError, match="no room"):
+        tree.restore(native, like)
+
+
+def test_jax_like_prng_keys_and_tracers_take_the_general_walk(backend: str) -> None:
+    jax = pytest.importorskip("jax")
+    key = jax.random.key(3)
+    like = {"k": key, "w": jax.numpy.zeros(2, np.float32)}
+    stored = jax.random.wrap_key_data(np.asarray(jax.random.key_data(key)))  # as decode gives
+    native = {"k": stored, "w": np.ones(2, np.float32)}
+    assert restore_fast.fast_restore(native, like, True) is None
+    # a key template over a numpy leaf of its key data: declined too (the walk refuses it)
+    raw = {"k": np.asarray(jax.random.key_data(key)), "w": np.ones(2, np.float32)}
+    assert restore_fast.fast_restore(raw, like, True) is None
+    out = tree.restore(native, like)
+    assert out["k"].dtype == key.dtype
+    assert np.array_equal(jax.random.key_data(out["k"]), jax.random.key_data(key))
+
+    seen: list[Any] = []
+
+    def traced(x: Any) -> Any:
+        seen.append(restore_fast.fast_restore({"w": np.ones(2, np.float32)}, {"w": x}, True))
+        return x
+
+    jax.jit(traced)(jax.numpy.zeros(2, np.float32))
+    assert seen == [None]
