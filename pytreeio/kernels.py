@@ -7,11 +7,15 @@ the GIL: callers split the work over :func:`pytreeio.transpose.pool` (numba's
 own ``parallel=True`` threading layer aborts when several Python threads
 launch kernels at once, as concurrent saves do).
 
-Quantisation follows :func:`pytreeio.quant.quantise`'s definition element by
-element: the float64 product ``Q*x``, ``trunc`` or rounding half away from
-zero, and the range check ``lo <= t <= hi`` on the float64 result (NaN fails
-it) counted in the same loop; values that do not fit are stored as arbitrary
-values.
+Quantisation gives :func:`pytreeio.quant.quantise`'s definition bit for bit
+(the float64 product ``Q*x``, ``trunc`` or rounding half away from zero, the
+range check ``lo <= t <= hi`` on that result, NaN failing it) in one pass:
+for scales below ``2**24`` in float32 with an FMA remainder deciding the
+integer and half-integer products (twice the SIMD width of float64, which
+the float64 loop needs per element), redoing in float64 the 4096-value
+chunks that hold a value float32 cannot place (beyond ``2**22 - 1`` or
+outside the type, NaN, inf); other scales in float64 throughout.  Values
+that do not fit are stored as arbitrary values.
 
 :func:`available` is false, and callers keep their numpy paths, when numba
 does not import, when ``PYTREEIO_NO_NUMBA=1`` is set, or when loading the
@@ -97,7 +101,7 @@ def _load_and_run() -> None:
     k = _load_module()
     if k is not None:
         try:
-            k.quantise_round(np.zeros(1, np.float32), np.zeros(1, np.int16), 1.0, 0.0, 0.0)
+            k.quantise_round32(np.zeros(1, np.float32), np.zeros(1, np.int16), 1.0, 0.0, 0.0)
         except Exception:  # a broken numba: leave the numpy paths in charge
             return
     with _lock:
@@ -137,10 +141,22 @@ def _bounds(dtype: np.dtype[Any]) -> tuple[float, float]:
     return float(info.min), float(info.max)
 
 
+#: Integer scales below this are float32s: the float32 kernels take them (the float64 ones the rest).
+F32_SCALES = 2**24
+
+
 def quantise(x: np.ndarray, out: np.ndarray, scale: int, round_: bool) -> int:
-    """Quantise 1-D float32 ``x`` into the 1-D integer array ``out``; returns how many values do not fit."""
+    """Quantise 1-D float32 ``x`` into the 1-D integer array ``out``; returns how many values do not fit.
+
+    Scales ``0 < scale < 2**24`` go through the float32 kernels (the same
+    bits, chunks they cannot do exactly redone in float64), others through
+    the float64 ones.
+    """
     k = _kernels()
-    kernel = k.quantise_round if round_ else k.quantise_trunc
+    if 0 < scale < F32_SCALES:
+        kernel = k.quantise_round32 if round_ else k.quantise_trunc32
+    else:
+        kernel = k.quantise_round if round_ else k.quantise_trunc
     return int(kernel(x, out, float(scale), *_bounds(out.dtype)))
 
 

@@ -29,8 +29,9 @@ cast) runs on it there; numpy releases the GIL in each step, so blocks go to
 scaling a transposed tile, or casting into one, runs at a fifth of the speed.)
 
 Where numba is installed, arrays of :data:`pytreeio.kernels.MIN_BYTES` or
-more go through compiled kernels instead (one loop per element in float64,
-then the compiled transpose; about twice as fast on two cores);
+more go through compiled kernels instead (one vectorised loop per element,
+float32 with an FMA remainder where exact, float64 elsewhere, then the
+compiled transpose; about three times as fast);
 ``PYTREEIO_NO_NUMBA=1`` keeps the numpy blocks.
 """
 

@@ -177,3 +177,94 @@ def test_first_large_array_does_not_wait_for_numba(monkeypatch: pytest.MonkeyPat
     assert warming is not None
     warming.join(60)
     assert kernels.use(1 << 30) and not kernels.use(kernels.MIN_BYTES - 1)
+
+
+def _definition(x: np.ndarray, scale: int, rnd: bool) -> np.ndarray:
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = x.astype(np.float64) * np.float64(scale)
+        return half_away(v) if rnd else np.trunc(v)
+
+
+def _on_every_edge(scale: int) -> np.ndarray:
+    """float32 values whose product is, or is 1-2 ulps off, an integer or half-integer (up to 2**23)."""
+    ks = np.concatenate([np.arange(-300, 300), np.geomspace(300, 2.0**23, 400).round()])
+    ks = np.concatenate([ks, -ks])
+    centre = (np.concatenate([ks, ks + 0.5]) / scale).astype(np.float32)
+    xs = [centre]
+    for direction in (np.inf, -np.inf):
+        near = centre
+        for _ in range(2):
+            near = np.nextafter(near, np.float32(direction))
+            xs.append(near)
+    return np.concatenate(xs)
+
+
+@needs_numba
+@pytest.mark.parametrize("scale", [1, 3, 127, 255, 1000, 16320, 2**20 + 1, 2**24 - 1])
+@pytest.mark.parametrize("rnd", [False, True])
+@pytest.mark.parametrize("dtype", [np.int16, np.int32])
+def test_float32_kernels_on_integer_and_half_integer_products(
+    scale: int, rnd: bool, dtype: type
+) -> None:
+    """The FMA fix-ups: exact, ties and one-ulp-off products, either side of 2**22/Q."""
+    from pytreeio import _numba_kernels as nk
+
+    x = _on_every_edge(scale)
+    straddle = np.float32(2.0**22 / scale)
+    near = [straddle]
+    for direction in (np.inf, -np.inf):
+        step = straddle
+        for _ in range(4):
+            step = np.nextafter(step, np.float32(direction))
+            near.append(step)
+    tiny = [0.0, -0.0, 1e-45, -1e-45, 1e-38, -1e-38, 1.1754942e-38, 0.5 / scale, -0.5 / scale]
+    x = np.concatenate([x, np.float32(near), -np.float32(near), np.float32(tiny)])
+    x = x[np.random.default_rng(scale).permutation(x.size)]  # edge values in every chunk
+    info = np.iinfo(dtype)
+    want = _definition(x, scale, rnd)
+    fits = (want >= info.min) & (want <= info.max)
+    out = np.empty(x.size, dtype)
+    kernel = nk.quantise_round32 if rnd else nk.quantise_trunc32
+    assert kernel(x, out, float(scale), float(info.min), float(info.max)) == (~fits).sum()
+    assert np.array_equal(out[fits], want[fits].astype(dtype))
+    # the dispatcher picks the float32 kernels for these scales: the same bits
+    out2 = np.empty(x.size, dtype)
+    assert kernels.quantise(x, out2, scale, rnd) == (~fits).sum()
+    assert np.array_equal(out2[fits], out[fits])
+
+
+@needs_numba
+@pytest.mark.parametrize("rnd", [False, True])
+def test_float32_chunks_redone_in_float64(rnd: bool) -> None:
+    """NaN, inf, values past 2**22 or out of the type: their chunk is exact, the count too."""
+    from pytreeio import _numba_kernels as nk
+
+    chunk = nk.CHUNK
+    rng = np.random.default_rng(5)
+    x = rng.uniform(-200, 200, chunk * 6 + 17).astype(np.float32)
+    x[chunk * 1 + 5] = np.nan
+    x[chunk * 2 + 7] = np.inf
+    x[chunk * 2 + 8] = -np.inf
+    x[chunk * 3 + 1] = np.float32(3e6)  # |Q*x| > 2**22: float64 for i32, out of range for i16
+    x[chunk * 4 : chunk * 4 + 9] = np.float32(2.0**22 / 255)  # 2**22 itself
+    x[-1] = -129.0
+    for dtype in (np.int8, np.int16, np.int32):
+        info = np.iinfo(dtype)
+        want = _definition(x, 255, rnd)
+        fits = (want >= info.min) & (want <= info.max)
+        out = np.empty(x.size, dtype)
+        kernel = nk.quantise_round32 if rnd else nk.quantise_trunc32
+        assert kernel(x, out, 255.0, float(info.min), float(info.max)) == (~fits).sum()
+        assert np.array_equal(out[fits], want[fits].astype(dtype))
+
+
+@needs_numba
+@pytest.mark.parametrize("scale", [2**24, 2**24 + 1, 2**31 - 1, 0, -255])
+def test_scales_outside_float32_take_the_float64_kernels(scale: int) -> None:
+    x = np.float32([0.5, -0.5, 1.0 / 3, -2.5e-3, 7.0, 1e-30, -0.0])
+    for rnd in (False, True):
+        want = _definition(x, scale, rnd)
+        fits = (want >= -(2**31)) & (want <= 2**31 - 1)
+        out = np.empty(x.size, np.int32)
+        assert kernels.quantise(x, out, scale, rnd) == (~fits).sum()
+        assert np.array_equal(out[fits], want[fits].astype(np.int32))
