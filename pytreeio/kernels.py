@@ -181,7 +181,9 @@ def transpose(view: np.ndarray, out: np.ndarray, start: int, stop: int) -> None:
     apart for the fastest copy (any range is copied correctly).
     """
     bits = _BITS[view.dtype.itemsize]
-    _kernels().transpose_rows(view.T.view(bits), out.view(bits), int(start), int(stop))
+    k = _kernels()
+    lanes = k.BLOCK[8 * view.dtype.itemsize]
+    k.transpose_rows(view.T.view(bits), out.view(bits), int(start), int(stop), lanes)
 
 
 def tile() -> int:

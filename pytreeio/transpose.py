@@ -13,8 +13,8 @@ writer): while band ``i`` is written, bands ``i+1 ... i+depth`` are copied on
 the pool, so at most ``depth + 1`` bands exist at a time.
 
 Where numba is installed, large same-dtype 2-D copies go through a compiled
-tiled kernel instead (:mod:`pytreeio.kernels`, about twice as fast per core;
-``PYTREEIO_NO_NUMBA=1`` keeps the numpy tiles).
+kernel of vector register blocks instead (:mod:`pytreeio.kernels`, about 2.5x
+the numpy tiles; ``PYTREEIO_NO_NUMBA=1`` keeps the numpy tiles).
 """
 
 from __future__ import annotations

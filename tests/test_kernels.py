@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -73,6 +74,44 @@ def test_transpose_every_itemsize_and_odd_ranges(dtype: str) -> None:
     out2 = np.empty(strided.shape, a.dtype)
     kernels.transpose(strided, out2, 0, out2.shape[0])
     assert out2.tobytes() == strided.copy().tobytes()
+
+
+@needs_numba
+@pytest.mark.parametrize("bits", [np.uint8, np.uint16, np.uint32, np.uint64])
+@pytest.mark.parametrize(
+    "shape", [(1, 1), (1, 300), (300, 1), (16, 16), (33, 17), (17, 530), (530, 47), (512, 272)]
+)
+def test_register_blocks_and_edges_give_numpy_bits(bits: type, shape: tuple[int, int]) -> None:
+    """Whole register blocks, partial tiles, 1-row/1-col and ranges off the tile grid."""
+    from pytreeio import _numba_kernels as nk
+
+    a = np.random.default_rng(shape[0]).integers(0, np.iinfo(bits).max, shape, dtype=bits)
+    want = a.T.copy()
+    rows = a.shape[1]
+    cuts = sorted({0, rows, *(c for c in (3, 8, nk.TILE + 5, rows // 2) if c < rows)})
+    out = np.zeros(want.shape, a.dtype)
+    for start, stop in itertools.pairwise(cuts):
+        kernels.transpose(a.T, out, start, stop)
+    assert out.tobytes() == want.tobytes()
+    # a source whose rows are contiguous but not adjacent (a column slice), and a
+    # destination band: blocks read with the source's row stride
+    sub = a[:, 1:]
+    out2 = np.full(sub.T.shape, 7, a.dtype)
+    kernels.transpose(sub.T, out2, 0, out2.shape[0])
+    assert out2.tobytes() == sub.T.copy().tobytes()
+
+
+@needs_numba
+def test_register_block_is_a_transpose_for_every_width() -> None:
+    """The shuffle network alone, on one block of each width: every lane lands once."""
+    from pytreeio import _numba_kernels as nk
+
+    for nbits, n in nk.BLOCK.items():
+        dtype = np.dtype(f"u{nbits // 8}")
+        a = (np.arange(n * n, dtype=np.uint64) % 251).astype(dtype).reshape(n, n)
+        out = np.zeros((n, n), dtype)
+        nk.transpose_rows(a, out, 0, n, n)
+        assert np.array_equal(out, a.T), nbits
 
 
 def test_not_transposable() -> None:

@@ -127,6 +127,14 @@ def format_cases(layers: int = REFERENCE_LAYERS) -> list[FormatCase]:
         FormatCase("netcl", "netcl", "file", "model.netcl", save_options={"layers": linear}),
         FormatCase("netcl-checkpoint", "netcl-checkpoint", "siblings", "ckpt"),
         FormatCase("netcl-params", "netcl-params", "file", "params.npz"),
+        # the same file read without checking its members' CRC-32: what the checksum costs
+        FormatCase(
+            "netcl-params (verify_crc=False)",
+            "netcl-params",
+            "file",
+            "params-nocrc.npz",
+            load_options={"verify_crc": False},
+        ),
         FormatCase("datacode", "datacode", "file", "model.nn", save_options={"layers": linear}),
         FormatCase(
             "waffe2", "waffe2", "directory", "ckpt.wf2model", save_options={"layers": linear}
