@@ -75,6 +75,7 @@ bucket is contiguous (what bullet's ``transpose`` writes), and
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
@@ -133,10 +134,11 @@ def transpose(x: Any, axes: Sequence[int]) -> np.ndarray:
 
     Arrays of 0 or 1 dimensions, identity permutations and views whose
     transpose is already C-contiguous are returned without a copy.  A numpy
-    array is transposed on the host when jax computes on the CPU (tiled
-    copies, :func:`copy_transposed`: no copy of the input into jax's
-    aligned buffer, as fast as XLA's CPU transpose); anything else by a
-    jit-compiled kernel on the default device.
+    array is transposed on the host (tiled copies on the cores,
+    :func:`copy_transposed`) unless jax is already imported and computes on
+    an accelerator; anything else by a jit-compiled kernel on the default
+    device.  A numpy transpose never imports jax (a second or more) just to
+    ask where it computes.
     """
     axes = tuple(int(a) for a in axes)
     arr = x if isinstance(x, np.ndarray) else None
@@ -146,7 +148,7 @@ def transpose(x: Any, axes: Sequence[int]) -> np.ndarray:
         view = arr.transpose(axes)
         if arr.size == 0 or (view.flags.c_contiguous and view.dtype.byteorder in "=|<"):
             return dtypes.c_order(view)
-        if on_cpu():
+        if "jax" not in sys.modules or on_cpu():
             little = view.dtype.newbyteorder("<") if view.dtype.byteorder == ">" else view.dtype
             out = np.empty(view.shape, little)
             copy_transposed(view, out)

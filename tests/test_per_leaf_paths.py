@@ -214,3 +214,17 @@ def test_nested_dict_fast_path_keeps_depth_and_order(json_parser: str) -> None:
 
 def _bytes(tree: Any) -> bytes:
     return b"".join(bytes(c) for c in ptio.encode(tree, format="safetensors").chunks)
+
+
+@pytest.mark.parametrize("depth", [60, 900, 1000, 1020])
+def test_a_structure_document_nested_past_the_interpreters_limit_is_a_format_error(
+    depth: int, json_parser: str
+) -> None:
+    # orjson parses up to 1024 levels; a rebuild that reprs such a node in its error
+    # message would recurse (found by the fuzzer): the strict parser must judge it.
+    nested = "[" * depth + "]" * depth
+    tree = '{"dict":[["w",' + nested + "]]}"
+    blob = _pytreeio_blob(_entry("w", 0), tree, b"\0" * 4)
+    with pytest.raises(ptio.FormatError) as err:
+        ptio.decode(blob, "safetensors")
+    assert err.value.field == "pytreeio.tree" and err.value.offset is not None

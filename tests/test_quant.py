@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from fractions import Fraction
 
 import hypothesis.strategies as st
@@ -268,3 +270,18 @@ def test_fused_and_separate_transposes_agree() -> None:
     assert bool(ok)
     separate = quant.quantise(x, 255, "i16", round=True, transpose=True)
     assert np.asarray(fused).tobytes() == separate.tobytes()
+
+
+def test_a_numpy_transpose_does_not_import_jax() -> None:
+    # Asking jax where it computes costs its import (a second or more); a numpy array is
+    # transposed on the host unless jax is already in use.
+    code = (
+        "import sys, numpy as np\n"
+        "from pytreeio import quant\n"
+        "x = np.arange(6 * 5, dtype='>f4').reshape(6, 5)\n"
+        "y = quant.transpose(x, (1, 0))\n"
+        "assert y.dtype == np.dtype('<f4') and y.flags.c_contiguous\n"
+        "assert y.tobytes() == x.T.astype('<f4').tobytes()\n"
+        "assert 'jax' not in sys.modules, 'jax imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

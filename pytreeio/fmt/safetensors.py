@@ -756,9 +756,12 @@ class _Rebuilder:
             # colon count finds amiss is judged by the strict parser.  A rebuild error
             # starts over from the strict parse (orjson reads an int key beyond 64 bits
             # as a float that the rebuild refuses; the strict parser reads it exactly).
+            # RecursionError: a document nested past the interpreter's limit (orjson
+            # accepts 1024 levels) whose repr in an error message would recurse; the
+            # strict parser refuses it by its depth bound first.
             try:
                 tree = self.node(structure)
-            except FormatError:
+            except (FormatError, RecursionError):
                 self.used, self.members, self.colons = set(), 0, 0
             else:
                 in_strings = self.colons + "".join(self.used).count(":")
