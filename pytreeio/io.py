@@ -969,6 +969,17 @@ def _get_pool() -> ThreadPoolExecutor:
         return _pool
 
 
+def _forget_pool() -> None:
+    # A forked child inherits the pool object but none of its threads (jobs would wait
+    # forever): the child's first parallel job starts a new pool.
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _read_fd(fd: int, name: str, mmap: bool) -> memoryview:
     """The whole file behind ``fd``: read once into fresh memory, or mapped read-only."""
     size = os.fstat(fd).st_size

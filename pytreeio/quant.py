@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 from typing import Any
@@ -199,11 +199,17 @@ def _values_kernel(type_name: str, round_: bool, transpose_: bool) -> Any:
     kernel as these two loops anyway.
     """
     import jax
+
+    return jax.jit(_values_fn(type_name, round_, transpose_))
+
+
+def _values_fn(type_name: str, round_: bool, transpose_: bool) -> Callable[[Any, Any], Any]:
+    """The traced expression of ``q`` both jit kernels share (so both give the same bits)."""
     import jax.numpy as jnp
 
     info = np.iinfo(INT_TYPES[type_name])
     lo, hi = float(info.min), float(info.max)
-    wide = jnp.int64 if type_name == "i32" else jnp.int32
+    wide = jnp.int64 if type_name == "i32" else jnp.int32  # holds lo - 1 .. hi + 1
     out_dtype = INT_TYPES[type_name].type
 
     def values(x: Any, scale: Any) -> Any:
@@ -215,7 +221,7 @@ def _values_kernel(type_name: str, round_: bool, transpose_: bool) -> Any:
         q = jnp.clip(t, int(lo), int(hi)).astype(out_dtype)
         return q.T if transpose_ else q
 
-    return jax.jit(values)
+    return values
 
 
 @cache
@@ -266,18 +272,10 @@ def _quantise_kernel(type_name: str, round_: bool, transpose_: bool) -> Any:
 
     info = np.iinfo(INT_TYPES[type_name])
     lo, hi = float(info.min), float(info.max)
-    wide = jnp.int64 if type_name == "i32" else jnp.int32  # holds lo - 1 .. hi + 1
-    out_dtype = INT_TYPES[type_name].type
+    values = _values_fn(type_name, round_, transpose_)
 
     def kernel(x: Any, scale: Any) -> tuple[Any, Any]:
-        v = jnp.clip(x.astype(jnp.float64) * scale, lo, hi)
-        t = v.astype(wide)
-        if round_:
-            frac = v - t.astype(jnp.float64)  # exact
-            t = t + (frac >= 0.5).astype(wide) - (frac <= -0.5).astype(wide)
-        q = jnp.clip(t, int(lo), int(hi)).astype(out_dtype)
-        if transpose_:
-            q = q.T
+        q = values(x, scale)
         axes = tuple(range(x.ndim))
         smallest, largest = lax.reduce(
             (x, x),

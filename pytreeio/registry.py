@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -380,12 +380,32 @@ class Slot:
         """This entry's :class:`pytreeio.binary.ByteSource` in ``source`` (one, or a mapping)."""
         return source if self.role is None else source[self.role]
 
-    def read(self, source: Any) -> Any:
-        """The entry's array, read from ``source`` (a ByteSource or a mapping of them)."""
+    def check_size(self, src: Any, shape: Sequence[int]) -> Any:
+        """The numpy dtype, once ``shape`` of it is checked to fill exactly :attr:`nbytes`.
+
+        A slots function's bug or a lying header it let through is a
+        :class:`~pytreeio.errors.FormatError` naming the entry, never numpy's ValueError.
+        """
         import numpy as np
 
         from .binary import check_shape
         from .errors import FormatError
+
+        dtype = np.dtype(self.dtype)
+        count = check_shape(shape, dtype.itemsize, path=src.name, field=self.key)
+        if count * dtype.itemsize != self.nbytes:
+            raise FormatError(
+                f"{self.nbytes} stored bytes, shape {tuple(shape)} of {dtype.name} needs "
+                f"{count * dtype.itemsize}",
+                path=src.name,
+                field=self.key,
+                offset=self.offset,
+            )
+        return dtype
+
+    def read(self, source: Any) -> Any:
+        """The entry's array, read from ``source`` (a ByteSource or a mapping of them)."""
+        import numpy as np
 
         src = self.source_of(source)
         if self.reader is not None:
@@ -393,18 +413,8 @@ class Slot:
             if self.convert is not None:
                 arr = self.convert(arr)
         else:
-            dtype = np.dtype(self.dtype)
             shape = self.stored if self.stored is not None else self.shape
-            count = check_shape(shape, dtype.itemsize, path=src.name, field=self.key)
-            if count * dtype.itemsize != self.nbytes:
-                # a slots function's bug or a lying header it let through: never numpy's ValueError
-                raise FormatError(
-                    f"{self.nbytes} stored bytes, shape {tuple(shape)} of {dtype.name} needs "
-                    f"{count * dtype.itemsize}",
-                    path=src.name,
-                    field=self.key,
-                    offset=self.offset,
-                )
+            dtype = self.check_size(src, shape)
             raw = src.read(self.offset, self.nbytes, self.key)
             arr = np.frombuffer(raw, dtype=dtype).reshape(shape, order="F" if self.fortran else "C")
             if not dtype.isnative:

@@ -59,7 +59,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .errors import EncodeError, FormatError, MismatchError, PytreeioError
+from .errors import EncodeError, MismatchError, PytreeioError
 from .registry import Deferred, Encoded, Slot, Streamed
 
 __all__ = [
@@ -408,7 +408,6 @@ def wants_slices(like: Any) -> bool:
 def read_region(slot: Slot, source: Any, region: Region) -> np.ndarray | None:
     """The block ``region`` of a slot's array, reading only its bytes; None when the slot is
     not one plain stored range (a chunked, quantised or converted entry)."""
-    from .binary import check_shape
 
     if (
         slot.reader is not None
@@ -418,17 +417,8 @@ def read_region(slot: Slot, source: Any, region: Region) -> np.ndarray | None:
     ):
         return None
     src = slot.source_of(source)
-    dtype = np.dtype(slot.dtype)
     shape = tuple(slot.shape)
-    count = check_shape(shape, dtype.itemsize, path=src.name, field=slot.key)
-    if count * dtype.itemsize != slot.nbytes:
-        raise FormatError(
-            f"{slot.nbytes} stored bytes, shape {shape} of {dtype.name} needs "
-            f"{count * dtype.itemsize}",
-            path=src.name,
-            field=slot.key,
-            offset=slot.offset,
-        )
+    dtype = slot.check_size(src, shape)
     out = np.empty(tuple(b - a for a, b in region), dtype=dtype)
     flat = out.reshape(-1).view(np.uint8)
     offsets, run = c_runs(shape, dtype.itemsize, region)

@@ -61,6 +61,17 @@ def pool() -> ThreadPoolExecutor:
         return _pool
 
 
+def _forget_pool() -> None:
+    # A forked child inherits the pool object but none of its threads (jobs would wait
+    # forever): the child's first parallel job starts a new pool.
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _tiles(src: np.ndarray, dst: np.ndarray, start: int, stop: int) -> None:
     for i in range(start, stop, _TILE):
         j = min(i + _TILE, stop)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -195,16 +195,35 @@ def decode(
         arrays = read_npz(source, role, verify_crc)
         meta = _meta_from_npz(arrays, role)
     entries = _file_entries(meta, name)
-    layers = _split_members(arrays, len(entries), name)
+    layers = _checked_layers(
+        entries, _split_members(arrays, len(entries), name), name, allow_missing
+    )
+    return Decoded(layers, meta)
+
+
+def _checked_layers(
+    entries: list[dict[str, Any]],
+    layers: list[dict[str, Any]],
+    name: str,
+    allow_missing: bool,
+    shaped: Callable[[Any], np.ndarray] = lambda a: a,
+) -> list[dict[str, Any]]:
+    """Each layer's members checked against its config entry, trimmed to the layer's names.
+
+    ``shaped`` gives the array (or a stand-in of its shape and dtype) a member's value
+    stands for: :func:`slots` checks slots exactly as :func:`decode` checks arrays.
+    """
     for i, (entry, arrs) in enumerate(zip(entries, layers)):
         try:
-            common = layer_to_common(entry["type"], arrs, f"[{i}]")
+            common = layer_to_common(
+                entry["type"], {k: shaped(v) for k, v in arrs.items()}, f"[{i}]"
+            )
             if not allow_missing:
                 normalize_layers([entry], [common])
         except MismatchError as exc:
             raise FormatError(exc.reason, path=name, field=f"{META_KEY}.config[{i}]") from None
         layers[i] = {k: arrs[k] for k in NAMES.get(entry["type"], {}).values() if k in arrs}
-    return Decoded(layers, meta)
+    return layers
 
 
 def _stand_in(slot: Slot) -> np.ndarray:
@@ -229,16 +248,7 @@ def slots(
         meta = _meta_from_npz(held, role)
     entries = _file_entries(meta, name)
     layers = _split_members(found, len(entries), name)
-    for i, (entry, arrs) in enumerate(zip(entries, layers)):
-        try:
-            stand_ins = {k: _stand_in(v) for k, v in arrs.items()}
-            common = layer_to_common(entry["type"], stand_ins, f"[{i}]")
-            if not allow_missing:
-                normalize_layers([entry], [common])
-        except MismatchError as exc:
-            raise FormatError(exc.reason, path=name, field=f"{META_KEY}.config[{i}]") from None
-        layers[i] = {k: arrs[k] for k in NAMES.get(entry["type"], {}).values() if k in arrs}
-    return Slots(layers, meta)
+    return Slots(_checked_layers(entries, layers, name, allow_missing, _stand_in), meta)
 
 
 def _native_layers(tree: Any) -> list[dict[str, Any]]:

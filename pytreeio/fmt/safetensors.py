@@ -55,7 +55,7 @@ import dataclasses
 import json
 import keyword
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -806,30 +806,38 @@ class _Rebuilder:
         raise self.bad(f"unknown node {sorted(node)!r:.60}")
 
     def leaf(self, node: dict[str, Any]) -> Any:
+        arr, convert = self.resolve(node)
+        return arr if convert is None else convert(arr)
+
+    def resolve(self, node: dict[str, Any]) -> tuple[Any, Callable[[Any], Any] | None]:
+        """The array (or slot) a leaf node names, checked, and how its value is made from it."""
         name = node["leaf"]
         if not isinstance(name, str) or name not in self.arrays:
             raise self.bad(f"refers to a missing tensor {name!r:.60}")
         if name in self.used:
             raise self.bad(f"uses tensor {name!r:.60} twice")
         self.used.add(name)
-        arr = self.arrays[name]
+        item = self.arrays[name]
         kind = node.get("kind")
         if "key" in node:
             if kind is not None:
                 raise self.bad(f"PRNG key {name!r:.60} has a scalar kind")
-            return keys.wrap(arr, node["key"], lambda why: self.bad(f"{name!r:.60}: {why}"))
+            impl, bad = node["key"], self.bad
+            return item, lambda arr: keys.wrap(arr, impl, lambda why: bad(f"{name!r:.60}: {why}"))
         if kind is None:
-            return arr
-        if arr.shape != ():
-            raise self.bad(f"scalar {name!r:.60} has shape {arr.shape}")
+            return item, None
+        if tuple(item.shape) != ():
+            raise self.bad(f"scalar {name!r:.60} has shape {tuple(item.shape)}")
         if kind == "npscalar":
-            return arr[()]
+            return item, _item
         if not isinstance(kind, str) or kind not in _KIND_DTYPES:
             raise self.bad(f"unknown leaf kind {kind!r:.40}")
-        if arr.dtype.kind not in _KIND_DTYPES[kind]:
+        dtype = np.dtype(item.dtype)
+        if dtype.kind not in _KIND_DTYPES[kind]:
             # e.g. an "int" scalar stored as a float64 NaN: int() would raise
-            raise self.bad(f"{kind} scalar {name!r:.60} is stored as {arr.dtype.name}")
-        return _KIND_TYPES[kind](arr[()].item())
+            raise self.bad(f"{kind} scalar {name!r:.60} is stored as {dtype.name}")
+        cls = _KIND_TYPES[kind]
+        return item, lambda arr: cls(arr[()].item())
 
     def mapping(self, items: list[Any], depth: int) -> dict[Any, Any]:
         out: dict[Any, Any] = {}
@@ -1135,35 +1143,8 @@ class _SlotRebuilder(_Rebuilder):
     """The tree of :func:`slots`: :class:`Slot` leaves, each checked as ``decode`` checks the array."""
 
     def leaf(self, node: dict[str, Any]) -> Any:
-        name = node["leaf"]
-        if not isinstance(name, str) or name not in self.arrays:
-            raise self.bad(f"refers to a missing tensor {name!r:.60}")
-        if name in self.used:
-            raise self.bad(f"uses tensor {name!r:.60} twice")
-        self.used.add(name)
-        slot: Slot = self.arrays[name]  # type: ignore[assignment]  # slots, not arrays
-        kind = node.get("kind")
-        if "key" in node:
-            if kind is not None:
-                raise self.bad(f"PRNG key {name!r:.60} has a scalar kind")
-            impl, bad = node["key"], self.bad
-
-            def as_key(arr: Any) -> Any:
-                return keys.wrap(arr, impl, lambda why: bad(f"{name!r:.60}: {why}"))
-
-            return dataclasses.replace(slot, convert=as_key)
-        if kind is None:
-            return slot
-        if slot.shape != ():
-            raise self.bad(f"scalar {name!r:.60} has shape {slot.shape}")
-        if kind == "npscalar":
-            return dataclasses.replace(slot, convert=_item)
-        if not isinstance(kind, str) or kind not in _KIND_DTYPES:
-            raise self.bad(f"unknown leaf kind {kind!r:.40}")
-        if np.dtype(slot.dtype).kind not in _KIND_DTYPES[kind]:
-            raise self.bad(f"{kind} scalar {name!r:.60} is stored as {np.dtype(slot.dtype).name}")
-        cls = _KIND_TYPES[kind]
-        return dataclasses.replace(slot, convert=lambda arr: cls(arr[()].item()))
+        slot, convert = self.resolve(node)  # slots, not arrays, in self.arrays
+        return slot if convert is None else dataclasses.replace(slot, convert=convert)
 
 
 def _item(arr: np.ndarray) -> Any:
