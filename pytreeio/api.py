@@ -72,9 +72,10 @@ def _format_for_load(path: PathLike, format: str | Format | None) -> Format:
     if format is not None:
         return registry.get(format, path=path)
     seen: list[registry.Probe] = []
+    made: dict[Path, registry.Probe] = {}  # the file's own probe, made once for every layout
 
     def probe_for(layout: registry.Layout) -> registry.Probe:
-        probe = io.probe(path, layout)
+        probe = io.probe(path, layout, made=made)
         seen.append(probe)
         return probe
 
@@ -389,6 +390,10 @@ def load(
 def _sharded(like: Any) -> bool:
     """Whether ``like`` places arrays over several devices (cheap when jax is not loaded)."""
     if like is None or "jax" not in sys.modules:
+        return False
+    from .restore_fast import host_only
+
+    if host_only(like):  # the common numpy template, without jax's slower flatten
         return False
     from .sharding import wants_slices
 

@@ -24,7 +24,16 @@ from typing import Any
 
 from .binary import Buffer, as_memoryview
 
-__all__ = ["crc32", "combine", "crc32_many", "crc32_start", "combine_all", "PIECE"]
+__all__ = [
+    "crc32",
+    "combine",
+    "crc32_many",
+    "crc32_start",
+    "combine_all",
+    "pool",
+    "threads",
+    "PIECE",
+]
 
 #: Bytes hashed per task: large enough that scheduling costs nothing, small enough to spread.
 PIECE = 4 << 20
@@ -109,16 +118,20 @@ def _gf2_combine(crc1: int, crc2: int, len2: int) -> int:
 
 
 def pool() -> ThreadPoolExecutor:
-    """The thread pool the hashes run on (one thread per core, up to eight), for work that hashes."""
+    """The thread pool the hashes run on (:func:`threads` of them), for work that hashes."""
     return _get_pool()
+
+
+def threads() -> int:
+    """How many threads :func:`pool` has: one per core, up to eight."""
+    return max(1, min(_MAX_THREADS, os.cpu_count() or 1))
 
 
 def _get_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            threads = max(1, min(_MAX_THREADS, os.cpu_count() or 1))
-            _pool = ThreadPoolExecutor(threads, thread_name_prefix="pytreeio-crc")
+            _pool = ThreadPoolExecutor(threads(), thread_name_prefix="pytreeio-crc")
         return _pool
 
 

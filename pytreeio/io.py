@@ -1420,7 +1420,9 @@ def _probe_with(
     return replace(base, siblings=siblings)
 
 
-def probe(path: str | os.PathLike[str], layout: Layout) -> Probe:
+def probe(
+    path: str | os.PathLike[str], layout: Layout, *, made: dict[Path, Probe] | None = None
+) -> Probe:
     """What sniffing sees of ``path`` for ``layout`` (never raises for missing/unreadable paths).
 
     ``FILE``: kind, the first 4 KiB, the size, and the ZIP member names when
@@ -1429,8 +1431,25 @@ def probe(path: str | os.PathLike[str], layout: Layout) -> Probe:
     and symlinks leaving the directory skipped) and the first 4 KiB of up to
     32 top-level ``*.json``/``*.txt`` files.  ``Siblings``: the FILE probe of
     ``path`` itself plus a FILE probe of each located role that is a file.
+
+    ``made``: the FILE probes of one round of sniffing so far, by path, reused
+    and filled (every layout probes ``path`` itself again otherwise: about
+    60 us each).
     """
-    return _probe_with(Path(path), layout, _probe_file, _probe_dir)
+    if made is None:
+        return _probe_with(Path(path), layout, _probe_file, _probe_dir)
+    memo = made
+
+    def probe_file(p: Path) -> Probe:
+        found = memo.get(p)
+        if found is None:
+            found = memo[p] = _probe_file(p)
+        return found
+
+    def probe_dir(p: Path) -> Probe:
+        return _probe_dir(p) if os.path.isdir(p) else probe_file(p)
+
+    return _probe_with(Path(path), layout, probe_file, probe_dir)
 
 
 def probe_buffer(

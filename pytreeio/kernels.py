@@ -15,7 +15,9 @@ integer and half-integer products (twice the SIMD width of float64, which
 the float64 loop needs per element), redoing in float64 the 4096-value
 chunks that hold a value float32 cannot place (beyond ``2**22 - 1`` or
 outside the type, NaN, inf); other scales in float64 throughout.  Values
-that do not fit are stored as arbitrary values.
+that do not fit are stored as arbitrary values.  :func:`quantise_columns`
+does the same on a band of columns of a matrix (a transposed result's rows),
+and :func:`min_max` takes a range check's extremes in one integer pass.
 
 :func:`available` is false, and callers keep their numpy paths, when numba
 does not import, when ``PYTREEIO_NO_NUMBA=1`` is set, or when loading the
@@ -41,7 +43,10 @@ __all__ = [
     "MIN_BYTES",
     "available",
     "use",
+    "ready",
     "quantise",
+    "quantise_columns",
+    "min_max",
     "transposable",
     "transpose",
 ]
@@ -82,6 +87,22 @@ def use(nbytes: int) -> bool:
 
 
 _warming: threading.Thread | None = None
+
+
+def ready(timeout: float | None = None) -> bool:
+    """Load the kernels now, as the first large array would, and wait up to ``timeout`` seconds.
+
+    Returns whether they are in use.  For a process that wants the one-time
+    cost (numba's import and code generator: about a second and ~120 MB
+    resident) paid before a timed or memory-bounded step rather than during it.
+    """
+    if not enabled():
+        return False
+    _warm_up()
+    warming = _warming
+    if warming is not None:
+        warming.join(timeout)
+    return _module is not None
 
 
 def _warm_up() -> None:
@@ -158,6 +179,28 @@ def quantise(x: np.ndarray, out: np.ndarray, scale: int, round_: bool) -> int:
     else:
         kernel = k.quantise_round if round_ else k.quantise_trunc
     return int(kernel(x, out, float(scale), *_bounds(out.dtype)))
+
+
+def quantise_columns(
+    x: np.ndarray, c0: int, c1: int, out: np.ndarray, scale: int, round_: bool
+) -> int:
+    """:func:`quantise` of ``x[:, c0:c1]`` (2-D C-order float32) into 2-D ``out``; returns how many do not fit."""
+    lo, hi = _bounds(out.dtype)
+    k = _kernels()
+    return int(k.quantise_columns(x, int(c0), int(c1), out, float(scale), lo, hi, bool(round_)))
+
+
+def min_max(x: np.ndarray) -> tuple[float, float]:
+    """``(x.min(), x.max())`` of a non-empty 1-D native float32 array in one pass; both NaN when it holds one."""
+    a, b, c, d = _kernels().min_max_bits(x.view(np.int32), x.view(np.uint32))
+    # b >= 0: a value with the sign bit clear exists, and b is the largest (a NaN above +inf);
+    # d >= 2**31: one with it set exists, and d is the largest magnitude (a NaN below -inf)
+    hi_bits = b if b >= 0 else c  # else every value is negative: the smallest magnitude
+    lo_bits = d if d >= 2**31 else a  # else none is: the smallest non-negative
+    pair = np.array([lo_bits, hi_bits], np.uint64).astype(np.uint32).view(np.float32)
+    if np.isnan(pair).any():
+        return np.nan, np.nan
+    return float(pair[0]), float(pair[1])
 
 
 #: Unsigned integer types by itemsize: every element type is copied as its bits.

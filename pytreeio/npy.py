@@ -156,8 +156,30 @@ def _canonical_header(text: str) -> dict[str, Any] | None:
     return {"descr": descr, "fortran_order": fortran == "True", "shape": shape}
 
 
+#: Headers parsed before, by their bytes (prefix included): the arrays of one file share a
+#: few, and parsing one costs tens of microseconds.  Only successful parses are kept.
+_PARSED: dict[bytes, NpyHeader] = {}
+_PARSED_MAX = 1024
+
+
 def parse_npy_header(r: Reader, field: str = "npy") -> NpyHeader:
     """Read a ``.npy`` prefix and header dict at ``r``'s position, leaving it at the data."""
+    view, begin = r.view, r.pos
+    if len(view) - begin >= 10 and view[begin + 6] == 1:  # version 1.x: u16 header length
+        key = bytes(view[begin : begin + 10 + (view[begin + 8] | view[begin + 9] << 8)])
+        seen = _PARSED.get(key)
+        if seen is not None:
+            r.pos = begin + seen.data_offset
+            return seen
+        h = _parse_npy_header(r, field)
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.clear()
+        _PARSED[key] = h
+        return h
+    return _parse_npy_header(r, field)
+
+
+def _parse_npy_header(r: Reader, field: str) -> NpyHeader:
     begin = r.pos
     start = r.offset
     magic = bytes(r.bytes(len(MAGIC), f"{field}.magic"))

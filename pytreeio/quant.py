@@ -32,7 +32,10 @@ the host for numpy input: a block-wise min/max on every core reads it once,
 with no copy into jax's buffers), and :func:`quantise_async` dispatches the
 elementwise work (the jit kernel, or on the CPU the host blocks on a
 background thread), which computes while earlier bytes are being written;
-the values are the same bits as :func:`quantise`'s.
+the values are the same bits as :func:`quantise`'s.  On the host,
+:func:`quantise_bands` streams many arrays instead: bands of about 1 MB
+computed on a thread of their own ahead of the writer, in reused buffers
+(:class:`pytreeio.quant_host.Bands`).
 
 Why float64, not float32: ``fl32(Q*x)`` rounds, and the rounding crosses
 integer (and half-integer) boundaries.  At ``Q=255`` the float32
@@ -96,6 +99,7 @@ __all__ = [
     "quantise",
     "check_quantisable",
     "quantise_async",
+    "quantise_bands",
     "Pending",
     "dequantise",
     "quantisation_error",
@@ -486,8 +490,6 @@ def check_quantisable(
     Runs only the range check (one reduction over ``x``); pair it with
     :func:`quantise_async` to compute the values later.
     """
-    import jax
-
     _int_type(type_name)
     if isinstance(scale, bool) or not isinstance(scale, int | np.integer):
         raise ValueError(f"{name}: the scale must be an integer, found {scale!r}")
@@ -496,9 +498,11 @@ def check_quantisable(
     if int(np.prod(shape, dtype=np.int64)) == 0:
         return x32
     scale64 = np.float64(int(scale))
-    if isinstance(x32, np.ndarray):
+    if isinstance(x32, np.ndarray):  # on the host: no jax (nor its import) unless a value fails
         ok = _extremes_fit(*quant_host.min_max(x32), scale64, type_name, bool(round))
     else:
+        import jax
+
         with jax.enable_x64(True):
             ok = bool(_range_kernel(type_name, bool(round))(x32, scale64))
     if not ok:
@@ -558,6 +562,36 @@ def quantise_async(
     if transpose and not fused:
         q = transpose_to_device(q, (1, 0))
     return Pending(q, out_shape, nbytes)
+
+
+def quantise_bands(
+    jobs: Sequence[tuple[Any, int, str, bool, bool]],
+) -> quant_host.Bands | None:
+    """Host bands for ``(x32, scale, type, round, transpose)`` jobs (checked by :func:`check_quantisable`), or None.
+
+    For a writer that streams many quantised arrays into one file: on the
+    CPU (numpy arrays, jax not imported or computing on the CPU) the values
+    are computed in bands ahead of the writer on a thread of their own, in
+    reused buffers (:class:`pytreeio.quant_host.Bands`), bit for bit
+    :func:`quantise`'s.  None elsewhere: the caller dispatches
+    :func:`quantise_async` per array (an accelerator computes a whole array
+    at once).
+    """
+    if not all(isinstance(x, np.ndarray) for x, *_ in jobs):
+        return None
+    if "jax" in sys.modules and not on_cpu():
+        return None
+    host = []
+    for x32, scale, type_name, round_, transpose_ in jobs:
+        dtype = _int_type(type_name)
+        if transpose_ and x32.ndim != 2:
+            raise ValueError(f"transpose takes a 2-D array, found shape {x32.shape}")
+        host.append(
+            quant_host.BandJob(
+                dtypes.c_order(x32), int(scale), dtype, bool(round_), bool(transpose_)
+            )
+        )
+    return quant_host.Bands(host)
 
 
 def dequantise(q: Any, scale: int) -> np.ndarray:

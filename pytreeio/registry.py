@@ -33,6 +33,7 @@ declares raises ``TypeError``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -550,10 +551,27 @@ def _structural_restore(native: Any, meta: dict[str, Any], like: Any) -> Any:
 _POSITIONAL = frozenset({"tree", "native", "meta", "like", "source", "model", "dest", "lossy"})
 
 
+#: declared_options by function: every load and save asks (an inspect.signature costs ~25 us).
+_DECLARED: dict[Any, frozenset[str]] = {}
+_DECLARED_MAX = 1024
+
+
 def declared_options(fn: Callable[..., Any] | None) -> frozenset[str]:
     """The keyword options ``fn`` declares (keyword-only or keyword parameters, minus the API's)."""
     if fn is None:
         return frozenset()
+    try:
+        return _DECLARED[fn]
+    except (KeyError, TypeError):  # TypeError: an unhashable callable, never cached
+        pass
+    names = _declared_options(fn)
+    if len(_DECLARED) < _DECLARED_MAX:
+        with contextlib.suppress(TypeError):
+            _DECLARED[fn] = names
+    return names
+
+
+def _declared_options(fn: Callable[..., Any]) -> frozenset[str]:
     try:
         import inspect as _inspect  # at registration, not at import (import time)
 

@@ -10,7 +10,8 @@ computed: the result is bit-identical to ``view.copy()``.
 
 :class:`Pipeline` runs a sequence of such copies ahead of a consumer (a file
 writer): while band ``i`` is written, bands ``i+1 ... i+depth`` are copied on
-the pool, so at most ``depth + 1`` bands exist at a time.
+the pool (and by the writer itself rather than wait for one), so at most
+``depth + 1`` bands exist at a time.
 
 Where numba is installed, large same-dtype 2-D copies go through a compiled
 kernel of vector register blocks instead (:mod:`pytreeio.kernels`, about 2.5x
@@ -126,30 +127,85 @@ def _compiled(view: np.ndarray, out: np.ndarray, parts: int) -> None:
 
 
 class Pipeline:
-    """Buffers produced in order by ``makers``, each made on :func:`pool` ahead of its turn.
+    """Buffers produced in order by ``makers``, made ahead of their turn by pool workers.
 
-    ``take(i)`` returns maker ``i``'s result, after starting makers up to
-    ``i + depth``; nothing starts before the first ``take``.  A consumer that
-    takes out of order still gets the right buffer (made on demand).
+    ``take(i)`` returns maker ``i``'s result, after letting makers up to
+    ``i + depth`` start; nothing starts before the first ``take``.  Up to
+    ``workers`` jobs on :func:`pool` make them in order (default: one per
+    core but the consumer's, at most 2: enough to stay ahead of one writer).
+    A consumer whose buffer is still being made does not wait idle: it makes
+    the next buffer no worker has started, so a writer that writes faster
+    than one core makes buffers keeps every core busy to the end.  A
+    consumer that takes out of order, or again, still gets the right buffer
+    (made on demand); a maker's exception comes out of the ``take`` of its index.
     """
 
-    def __init__(self, makers: Sequence[Callable[[], Any]], depth: int | None = None) -> None:
+    def __init__(
+        self,
+        makers: Sequence[Callable[[], Any]],
+        depth: int | None = None,
+        workers: int | None = None,
+    ) -> None:
         self._makers = list(makers)
-        self._depth = max(1, threads()) if depth is None else depth
-        self._jobs: dict[int, Future[Any]] = {}
-        self._next = 0  # the first maker not yet started
+        self._workers = max(1, min(2, threads() - 1)) if workers is None else max(1, workers)
+        self._depth = 4 * self._workers if depth is None else max(1, depth)
+        self._jobs: dict[int, Future[Any]] = {}  # claimed (made or being made), not yet taken
+        self._next = 0  # the first maker not yet claimed
+        self._limit = 0  # makers below this may be claimed
+        self._active = 0  # worker jobs on the pool
         self._lock = threading.Lock()
 
     def take(self, i: int) -> Any:
         with self._lock:
             job = self._jobs.pop(i, None)
             if job is None and i >= self._next:
-                self._next = max(self._next, i + 1)
-            stop = min(len(self._makers), i + 1 + self._depth)
-            while self._next < stop:
-                self._jobs[self._next] = pool().submit(self._makers[self._next])
-                self._next += 1
-        if job is None:
-            # not started ahead (taken out of order): make it here, spread over the cores
+                self._next = i + 1  # made here, now; any skipped are made when taken
+            self._limit = max(self._limit, min(len(self._makers), i + 1 + self._depth))
+            start = max(0, min(self._workers - self._active, self._limit - self._next))
+            self._active += start
+        for _ in range(start):
+            pool().submit(self._work)
+        if job is None:  # not claimed ahead (the first take, or out of order): made here
             return self._makers[i]()
+        while not job.done():
+            with self._lock:
+                claimed = self._claim()
+            if claimed is None:
+                break  # nothing else to make: wait for it
+            self._run(*claimed)
         return job.result()
+
+    def _claim(self) -> tuple[int, Future[Any]] | None:
+        """The next maker allowed to start and the future of its result (under ``_lock``)."""
+        if self._next >= self._limit:
+            return None
+        k = self._next
+        self._next += 1
+        job: Future[Any] = Future()
+        self._jobs[k] = job
+        return k, job
+
+    def _run(self, k: int, job: Future[Any]) -> None:
+        try:
+            result = self._makers[k]()
+        except BaseException as exc:
+            job.set_exception(exc)  # comes out of take(k)
+            if not isinstance(exc, Exception):
+                raise  # an interrupt also stops the thread it hit
+            return
+        job.set_result(result)
+
+    def _work(self) -> None:
+        """One pool worker: make buffers in order until none may start yet."""
+        while True:
+            with self._lock:
+                claimed = self._claim()
+                if claimed is None:
+                    self._active -= 1
+                    return
+            try:
+                self._run(*claimed)
+            except BaseException:
+                with self._lock:
+                    self._active -= 1
+                raise

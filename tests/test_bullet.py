@@ -183,6 +183,34 @@ def test_spot_values_in_quantised_bin(rnd: bool, want: list[int]) -> None:
     assert np.frombuffer(q, "<i2", count=3).tolist() == want
 
 
+@pytest.mark.usefixtures("kernel_backend")
+@pytest.mark.parametrize("transposed", [(), (0,), (0, 1)])
+@pytest.mark.parametrize("band_bytes", [64, 3000, 1 << 20])
+def test_quantised_bin_in_bands(
+    transposed: tuple[int, ...], band_bytes: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """quantised.bin computed in bands ahead of the writer: the bytes of whole-array quantisation."""
+    from pytreeio import quant_host
+
+    monkeypatch.setattr(quant_host, "BAND_BYTES", band_bytes)
+    monkeypatch.setattr(quant_host, "AHEAD_BYTES", 4 * band_bytes)
+    w = net(WORKED, seed=7)
+    layout = B.classic_layout(
+        [QA, QB], types=[("i16", "i32"), ("i8", "i32")], transposed=transposed
+    )
+    want = b""
+    for e in layout:
+        x = w[e["id"]]
+        flip = "transpose" in e["transforms"] and x.ndim == 2
+        want += quant.quantise(x, e["scale"], e["type"], round=e["round"], transpose=flip).tobytes()
+    want += B.padding(len(want))
+    ptio.save(tmp_path / "ck", state_tree(w), format="bullet", meta={"saved_format": layout})
+    assert (tmp_path / "ck" / "quantised.bin").read_bytes() == want
+    enc = B.encode(state_tree(w), meta={"saved_format": layout})
+    assert files(enc)["quantised.bin"] == want
+    assert files(enc)["quantised.bin"] == want  # produced again: computed anew
+
+
 def test_padding() -> None:
     assert B.padding(0) == b""
     assert B.padding(64) == b""

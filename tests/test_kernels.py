@@ -102,6 +102,32 @@ def test_register_blocks_and_edges_give_numpy_bits(bits: type, shape: tuple[int,
 
 
 @needs_numba
+@pytest.mark.parametrize("bits", [np.uint8, np.uint16, np.uint32, np.uint64])
+def test_pieces_on_4k_strides_give_numpy_bits(bits: type) -> None:
+    """Row strides of whole 4 KiB (power-of-two widths) take the 2n x 2n pieces: same bits.
+
+    Row ranges off the piece and tile grid, and a destination wider than the
+    last whole piece (a column slice of a 4 KiB-stride array), cover the edges.
+    """
+    from pytreeio import _numba_kernels as nk
+
+    side = 4096 // np.dtype(bits).itemsize
+    rng = np.random.default_rng(5)
+    a = rng.integers(0, np.iinfo(bits).max, (side, side), dtype=bits)
+    want = a.T.copy()
+    out = np.zeros(want.shape, a.dtype)
+    inner = (5, nk.TILE // 2 - 3, nk.TILE - 3, nk.TILE + 2 * nk.BLOCK[8 * a.itemsize] + 1)
+    cuts = sorted({0, side, *(c for c in inner if c < side)})
+    for start, stop in itertools.pairwise(cuts):
+        kernels.transpose(a.T, out, start, stop)
+    assert out.tobytes() == want.tobytes()
+    sub = a[: side - 3, :]  # out rows keep the 4 KiB stride, its width ends mid-piece
+    out2 = np.zeros((side, side), a.dtype)[:, : side - 3]
+    kernels.transpose(sub.T, out2, 0, side)
+    assert out2.tobytes() == sub.T.copy().tobytes()
+
+
+@needs_numba
 def test_register_block_is_a_transpose_for_every_width() -> None:
     """The shuffle network alone, on one block of each width: every lane lands once."""
     from pytreeio import _numba_kernels as nk
@@ -307,3 +333,29 @@ def test_scales_outside_float32_take_the_float64_kernels(scale: int) -> None:
         out = np.empty(x.size, np.int32)
         assert kernels.quantise(x, out, scale, rnd) == (~fits).sum()
         assert np.array_equal(out[fits], want[fits].astype(np.int32))
+
+
+def test_ready_loads_the_kernels_up_front_unless_switched_off() -> None:
+    code = (
+        "import sys, numpy as np\n"
+        "from pytreeio import kernels\n"
+        "ok = kernels.ready(timeout=120)\n"
+        "print(ok, 'numba' in sys.modules, kernels.use(kernels.MIN_BYTES))\n"
+    )
+    env = {**os.environ, "PYTREEIO_NO_NUMBA": "1"}
+    off = subprocess.run(
+        [sys.executable, "-c", code], check=True, cwd=ROOT, env=env, text=True, capture_output=True
+    )
+    assert off.stdout.split() == ["False", "False", "False"]
+    if kernels.available():
+        env["PYTREEIO_NO_NUMBA"] = "0"
+        on = subprocess.run(
+            [sys.executable, "-c", code],
+            check=True,
+            cwd=ROOT,
+            env=env,
+            text=True,
+            capture_output=True,
+        )
+        # once ready, the first large array takes the kernels (no background load to wait for)
+        assert on.stdout.split() == ["True", "True", "True"]

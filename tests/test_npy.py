@@ -228,6 +228,27 @@ def test_hostile_npy_headers(header: str) -> None:
         npy.read_npy(member)
 
 
+def test_a_header_seen_before_parses_the_same_and_errors_keep_their_offsets() -> None:
+    ok = "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }"
+    member = _npy_with_header(ok, struct.pack("<2f", 1, 2))
+    data_at = len(member) - 8
+    npy._PARSED.clear()
+    assert npy.read_npy(member).tolist() == [1.0, 2.0]
+    assert len(npy._PARSED) == 1
+    assert npy.read_npy(member, start=7).tolist() == [1.0, 2.0]  # the remembered header
+    with pytest.raises(FormatError, match="truncated") as info:
+        npy.read_npy(member[:-4], start=100)  # same header, too little data
+    assert info.value.offset == 100 + data_at
+    for cut in (9, 12, data_at - 1):  # the header itself cut short: never a remembered one
+        with pytest.raises(FormatError):
+            npy.read_npy(member[:cut])
+    bad = _npy_with_header(ok.replace("<f4", "<x9"), struct.pack("<2f", 1, 2))
+    for _ in range(2):  # failures are not remembered
+        with pytest.raises(FormatError, match="dtype"):
+            npy.read_npy(bad, start=5)
+    assert len(npy._PARSED) == 1
+
+
 def test_npy_header_length_bound_and_versions() -> None:
     with pytest.raises(FormatError, match="header length"):
         npy.read_npy(b"\x93NUMPY\x02\x00" + struct.pack("<I", 0xFFFFFFF0))

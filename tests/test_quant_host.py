@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -176,3 +178,121 @@ def test_jax_array_on_the_host() -> None:
     want, _ = definition(x, 255, "i16", True)
     q = quant.quantise(jnp.asarray(x), 255, "i16", round=True, transpose=True)
     assert np.array_equal(q, want.T)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [1.0, 2.0, 0.5],  # every sign bit clear
+        [-1.0, -2.0, -0.5],  # every sign bit set
+        [0.0, -0.0],
+        [-0.0],
+        [np.inf, -np.inf, 3.0],
+        [-1e-45, 1e-45],
+    ],
+)
+def test_min_max_signs(values: list[float]) -> None:
+    """Both sign views of the compiled pass (int32 and uint32 bits) give the float extremes."""
+    x = np.resize(np.float32(values), 70_000)
+    assert quant_host.min_max(x) == (float(x.min()), float(x.max()))
+
+
+@pytest.mark.parametrize("nan_bits", [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001])
+@pytest.mark.parametrize("others", [[1.0, 2.0], [-1.0, -2.0], [-1.0, 2.0]])
+def test_min_max_nan_of_either_sign(nan_bits: int, others: list[float]) -> None:
+    x = np.resize(np.float32(others), 70_000)
+    x.view(np.uint32)[40_000] = nan_bits
+    lo, hi = quant_host.min_max(x)
+    assert np.isnan(lo) and np.isnan(hi)
+
+
+# --------------------------------------------------------------------------
+# bands (quantisation streamed ahead of a writer)
+# --------------------------------------------------------------------------
+
+BAND_JOBS = [
+    ((300, 170), "i16", 255, True, True),
+    ((1000,), "i8", 64, False, False),
+    ((64, 64), "i32", 255 * 64 * 64, True, True),
+    ((17, 5), "i32", 2**24 + 1, False, True),  # not a float32 scale: float64 throughout
+    ((0, 4), "i16", 3, True, True),
+    ((5000,), "i16", 255, False, False),
+    ((33, 1), "i16", 255, True, True),
+]
+
+
+def band_jobs() -> list[tuple[np.ndarray, int, str, bool, bool]]:
+    rng = np.random.default_rng(5)
+    out = []
+    for shape, type_name, scale, rnd, transpose in BAND_JOBS:
+        x = (rng.standard_normal(shape) * 0.4).astype(np.float32)
+        x = fitting(x, scale, type_name, rnd)
+        x[..., :1] = adversarial(scale, type_name)[: x[..., :1].size].reshape(x[..., :1].shape)
+        out.append((fitting(x, scale, type_name, rnd), scale, type_name, rnd, transpose))
+    return out
+
+
+def bands_of(jobs: Any, band_bytes: int, ahead_bytes: int) -> quant_host.Bands:
+    host = [quant_host.BandJob(x, s, quant.INT_TYPES[t], r, tr) for x, s, t, r, tr in jobs]
+    return quant_host.Bands(host, band_bytes=band_bytes, ahead_bytes=ahead_bytes)
+
+
+@pytest.mark.parametrize("band_bytes,ahead_bytes", [(64, 256), (1000, 3000), (1 << 20, 1 << 25)])
+def test_bands_give_quantise_bits(band_bytes: int, ahead_bytes: int) -> None:
+    jobs = band_jobs()
+    bands = bands_of(jobs, band_bytes, ahead_bytes)
+    bands.start()
+    got = [bytes(bands.take(b)) for b in range(sum(len(r) for r in bands.of_job))]
+    for j, (x, scale, type_name, rnd, transpose) in enumerate(jobs):
+        want = quant.quantise(x, scale, type_name, round=rnd, transpose=transpose)
+        have = b"".join(got[b] for b in bands.of_job[j])
+        assert have == want.tobytes(), BAND_JOBS[j]
+        assert [bands.nbytes(b) for b in bands.of_job[j]] == [len(got[b]) for b in bands.of_job[j]]
+
+
+def test_bands_out_of_order_and_again() -> None:
+    """Bands taken out of order, or a second time, come out the same (computed anew)."""
+    jobs = band_jobs()
+    bands = bands_of(jobs, 500, 2000)
+    n = sum(len(r) for r in bands.of_job)
+    order = [n - 1, 5, 3, *range(n), 7, n - 1]
+    got = {}
+    for b in order:
+        data = bytes(bands.take(b))
+        assert got.setdefault(b, data) == data
+    reference = bands_of(jobs, 500, 2000)
+    assert all(got[b] == bytes(reference.take(b)) for b in range(n))
+
+
+def test_bands_reuse_a_bounded_set_of_buffers() -> None:
+    jobs = band_jobs()
+    bands = bands_of(jobs, 1000, 4000)
+    state = bands._state
+    n = sum(len(r) for r in bands.of_job)
+    kept = bands.take(0)  # held by the caller: never reused, another buffer replaces it
+    first = bytes(kept)
+    seen = set()
+    for b in range(1, n):
+        view = bands.take(b)
+        seen.add(view.base.__array_interface__["data"][0])
+        assert state.owned <= state.capacity + 1
+        del view
+    assert len(seen) <= state.capacity + 1 < n
+    assert bytes(kept) == first
+
+
+def test_bands_start_without_a_writer_and_stop_when_dropped() -> None:
+    import gc
+    import threading
+
+    bands = bands_of(band_jobs(), 64, 256)
+    bands.start()
+    state = bands._state
+    del bands
+    gc.collect()
+    with state.cond:
+        assert state.closed
+    for t in threading.enumerate():
+        if t.name == "pytreeio-bands":
+            t.join(5)
+    assert not any(t.name == "pytreeio-bands" and t.is_alive() for t in threading.enumerate())

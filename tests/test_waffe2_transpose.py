@@ -8,6 +8,7 @@ views: every result is compared with numpy's own transpose.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +98,52 @@ def test_pipeline_in_order_out_of_order_and_repeated() -> None:
     assert [p.take(i) for i in (0, 1, 5, 2, 3, 4, 6, 7, 8)] == [0, 1, 25, 4, 9, 16, 36, 49, 64]
     assert sorted(set(made)) == list(range(9))
     assert p.take(3) == 9  # taken again: made again
+
+
+def test_pipeline_consumer_makes_the_next_band_rather_than_wait() -> None:
+    # Band 1 is on the worker and finishes only once band 2 exists: the consumer,
+    # waiting for band 1, must make band 2 itself (a waiting consumer would hang here).
+    started_1, made_2 = threading.Event(), threading.Event()
+
+    def band_0() -> int:
+        assert started_1.wait(10)  # the worker has claimed band 1
+        return 0
+
+    def band_1() -> bool:
+        started_1.set()
+        return made_2.wait(10)
+
+    def band_2() -> int:
+        made_2.set()
+        raise OSError("band 2")  # made by the consumer: comes out of take(2), not take(1)
+
+    p = transpose.Pipeline([band_0, band_1, band_2, lambda: 3], depth=2, workers=1)
+    assert p.take(0) == 0
+    assert p.take(1) is True
+    with pytest.raises(OSError, match="band 2"):
+        p.take(2)
+    assert p.take(3) == 3
+
+
+@pytest.mark.parametrize(("depth", "workers"), [(1, 1), (2, 1), (4, 2), (3, 3)])
+def test_pipeline_makes_at_most_depth_ahead(depth: int, workers: int) -> None:
+    made: list[int] = []
+    lock = threading.Lock()
+
+    def maker(i: int):  # type: ignore[no-untyped-def]
+        def make() -> int:
+            with lock:
+                made.append(i)
+            return i
+
+        return make
+
+    p = transpose.Pipeline([maker(i) for i in range(40)], depth=depth, workers=workers)
+    for i in range(40):
+        assert p.take(i) == i
+        with lock:
+            assert max(made) <= i + depth
+    assert sorted(made) == list(range(40))  # each made once
 
 
 def test_pipeline_error_comes_out_at_its_band() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io as _io
+import itertools
 import zlib
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from pytreeio.registry import Deferred, Encoded
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pieces, pool jobs and thresholds a few hundred bytes large, so small files take every path."""
     monkeypatch.setattr(zipfmt, "_FUSED_PIECE", 300)
-    monkeypatch.setattr(zipfmt, "_FUSED_JOB", 700)
+    monkeypatch.setattr(zipfmt, "_READ_PIECE", 700)
     monkeypatch.setattr(zipfmt, "FUSED_MIN", 1)
     monkeypatch.setattr(zipfmt, "OVERLAP_MIN", 1000)
     monkeypatch.setattr(crc, "PIECE", 256)
@@ -82,7 +83,7 @@ def test_a_flipped_byte_in_any_piece_of_any_member_is_caught(
     data = _savez(items)
     members = zipfmt.read_zip_directory(BufferSource(data))
     big = next(m for m in members if m.name == "big.npy")
-    assert big.size > 5 * zipfmt._FUSED_PIECE  # the member spans several pieces and jobs
+    assert big.size > 5 * zipfmt._FUSED_PIECE  # the member spans several pieces
     flips = [m.data_offset + m.size - 1 for m in members if m.size]
     flips += list(range(big.data_offset, big.end, 97))  # every piece of the big member
     for at in flips:
@@ -162,6 +163,85 @@ def test_deflated_members_are_checked_once_inflated(small_pieces: None, tmp_path
     data[at] ^= 0x01  # the recorded CRC, not the stream: it inflates fine, then fails the check
     with pytest.raises(FormatError, match=r"CRC-32 mismatch in member 'wide\.npy'"):
         _read(_file(tmp_path, bytes(data)))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_pieces_cover_the_file_and_split_members_where_they_cross(workers: int) -> None:
+    members = zipfmt.read_zip_directory(BufferSource(_savez(_items())))
+    size = members[-1].end + 100
+    hashed = [i for i, m in enumerate(members) if m.name != "odd.npy"]
+    pieces = zipfmt._split(size, 400, workers, members, hashed)
+    assert [p[0] for p in pieces[1:]] == [p[1] for p in pieces[:-1]]
+    assert pieces[0][0] == 0 and pieces[-1][1] == size
+    sizes = [b - a for a, b, _ in pieces]
+    assert max(sizes) == 400 and min(sizes[:-1]) >= 100  # shrinking at the end, not below 1/4
+    assert sizes[-2 * workers :] != [400] * 2 * workers
+    for i, m in enumerate(members):
+        parts = [(lo, hi) for a, b, segs in pieces for lo, hi, j in segs if j == i]
+        if i not in hashed or not m.size:
+            assert parts == []
+            continue
+        assert parts[0][0] == m.data_offset and parts[-1][1] == m.end
+        assert all(b == c for (_, b), (c, _) in itertools.pairwise(parts))
+    assert all(a <= lo < hi <= b for a, b, segs in pieces for lo, hi, _ in segs)
+
+
+@pytest.mark.parametrize("skew", [0, 37, 99])
+def test_pieces_end_on_page_boundaries(skew: int) -> None:
+    members = zipfmt.read_zip_directory(BufferSource(_savez(_items())))
+    size = members[-1].end
+    pieces = zipfmt._split(size, 400, 2, members, [0], skew=skew, page=100)
+    assert [p[0] for p in pieces[1:]] == [p[1] for p in pieces[:-1]] and pieces[-1][1] == size
+    assert all((b - skew) % 100 == 0 for _, b, _ in pieces[:-1])
+    assert all(b - a <= 500 for a, b, _ in pieces)
+
+
+def test_shared_jobs_run_once_each_in_order_of_results() -> None:
+    pool = crc.pool()
+    for workers in (2, crc.threads() + 1):
+        assert zipfmt._share(pool, workers, lambda j: j * j, list(range(100))) == [
+            j * j for j in range(100)
+        ]
+
+
+def test_shared_jobs_finish_on_this_thread_when_the_pool_is_busy() -> None:
+    import threading
+
+    pool = crc.pool()
+    release = threading.Event()
+    busy = [pool.submit(release.wait) for _ in range(crc.threads())]
+    try:
+        # every pool thread blocked: the helpers never start, this thread does every job
+        assert zipfmt._share(pool, crc.threads() + 1, lambda j: j + 1, list(range(50))) == list(
+            range(1, 51)
+        )
+    finally:
+        release.set()
+    assert all(f.result(timeout=10) for f in busy)
+
+
+@pytest.mark.parametrize("failing", [0, 37])
+def test_a_failed_job_stops_the_others_and_none_runs_after(failing: int) -> None:
+    import threading
+    import time
+
+    ran: list[int] = []
+    done = threading.Event()
+
+    def job(j: int) -> int:
+        if done.is_set():
+            ran.append(-1)  # a job started after _share returned
+        if j == failing:
+            raise OSError(f"job {j}")
+        time.sleep(0.001)
+        ran.append(j)
+        return j
+
+    with pytest.raises(OSError, match=f"job {failing}"):
+        zipfmt._share(crc.pool(), 2, job, list(range(200)))
+    done.set()
+    time.sleep(0.05)
+    assert -1 not in ran and len(ran) < 199  # the jobs after the failure were not taken
 
 
 def test_names_are_checked_before_the_data_is_read(tmp_path: Path) -> None:

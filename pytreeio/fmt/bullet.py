@@ -85,6 +85,7 @@ every line of ``step.txt``.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import warnings
@@ -94,7 +95,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import quant
+from .. import quant, quant_host
 from ..binary import BufferSource, ByteSource, Writer, as_memoryview, check_shape
 from ..errors import (
     ConversionError,
@@ -871,12 +872,13 @@ _AHEAD = 2
 
 
 class _Quantising:
-    """quantised.bin's integer entries, computed on the jax device while other bytes are written.
+    """quantised.bin's integer entries, computed on the jax device (an accelerator) while other bytes are written.
 
     Every entry's range is checked in :func:`_encode_quantised` (a failure
     leaves quantised.bin out before anything is written); the values are
     computed :data:`_AHEAD` entries ahead of the writer, so at most that many
     results are held, and the first ones compute while raw.bin is written.
+    On the CPU, :func:`_encode_bands` streams them instead.
     """
 
     def __init__(self, jobs: list[tuple[Any, _Spec, bool]]) -> None:
@@ -910,6 +912,7 @@ def _encode_quantised(specs: Sequence[_Spec], weights: Mapping[str, np.ndarray])
     w = Writer()
     jobs: list[tuple[Any, _Spec, bool]] = []
     slots: list[Any] = []  # per entry: an f32 array, or the index of its quantisation job
+    requests: list[tuple[Any, int, str, bool, bool]] = []
     for spec in specs:
         arr, fused = _transformed(spec, weights[spec.id], weights, fuse_last=spec.type != "f32")
         if spec.type == "f32":
@@ -919,6 +922,10 @@ def _encode_quantised(specs: Sequence[_Spec], weights: Mapping[str, np.ndarray])
         x32 = quant.check_quantisable(arr, spec.scale, spec.type, round=spec.round, name=spec.id)
         slots.append(len(jobs))
         jobs.append((x32, spec, fused))
+        requests.append((x32, spec.scale, spec.type, spec.round, fused))
+    bands = quant.quantise_bands(requests)
+    if bands is not None:
+        return _encode_bands(w, slots, bands)
     work = _Quantising(jobs)
 
     def entry(k: int) -> Callable[[], Any]:
@@ -933,6 +940,25 @@ def _encode_quantised(specs: Sequence[_Spec], weights: Mapping[str, np.ndarray])
             w.array(slot)
     w.raw(padding(w.nbytes))
     work.start(_AHEAD)
+    return w.finish()
+
+
+def _encode_bands(w: Writer, slots: Sequence[Any], bands: quant_host.Bands) -> list[Any]:
+    """quantised.bin with its integer entries computed on the host in bands ahead of the writer.
+
+    Every band (about 1 MB) is a deferred chunk.  One core computes bands
+    while the writer writes raw.bin on the other; once the writer reaches
+    quantised.bin it takes them as they come and computes the next ones
+    itself rather than wait (see :class:`pytreeio.quant_host.Bands`).
+    """
+    for slot in slots:
+        if isinstance(slot, int):
+            for b in bands.of_job[slot]:
+                w.deferred(Deferred(bands.nbytes(b), functools.partial(bands.take, b)))
+        else:
+            w.array(slot)
+    w.raw(padding(w.nbytes))
+    bands.start()
     return w.finish()
 
 

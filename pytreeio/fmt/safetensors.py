@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import keyword
 import math
@@ -138,6 +139,8 @@ _NAME_TO_CODE = {v: k for k, v in _CODE_TO_NAME.items()}
 _DTYPE_BY_CODE = {
     code: dt for code, name in _CODE_TO_NAME.items() if (dt := dtypes.by_name(name)) is not None
 }
+#: Each code's dtype and item size (``dtype.itemsize`` is an attribute lookup per tensor).
+_SIZED_BY_CODE = {code: (dt, dt.itemsize) for code, dt in _DTYPE_BY_CODE.items()}
 
 
 # --------------------------------------------------------------------------
@@ -656,33 +659,42 @@ def _fast_header(
         if type(v) is not str:
             return None
     data_len = total - 8 - n
-    by_code = _DTYPE_BY_CODE
+    by_code = _SIZED_BY_CODE
     entries: dict[str, tuple[np.dtype[Any], tuple[int, ...], int, int]] = {}
+    # One tuple per distinct 1-D shape: fewer objects for the garbage collector to visit.
+    vectors: dict[int, tuple[int]] = {}
     pos = 0
-    for name, spec in doc.items():
-        if type(spec) is not dict or len(spec) != 3:
-            return None
-        code, shape, offs = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
-        dt = by_code.get(code) if type(code) is str else None
-        if dt is None or type(shape) is not list or type(offs) is not list or len(offs) != 2:
-            return None
-        b, e = offs
-        if type(b) is not int or type(e) is not int or b != pos or not b <= e <= data_len:
-            return None
-        if len(shape) == 1:
-            d0 = shape[0]
-            if not (type(d0) is int and 0 < d0 < 2**31 and d0 * dt.itemsize == e - b):
+    try:
+        # A missing field or an unknown dtype code is a KeyError, a value of the wrong
+        # JSON type a TypeError or ValueError (or fails a type check): all decline.
+        for name, spec in doc.items():
+            if type(spec) is not dict or len(spec) != 3:
                 return None
-            entries[name] = (dt, (d0,), b, e)
-        elif (
-            len(shape) <= 8
-            and all(type(d) is int and 0 < d < 2**31 for d in shape)
-            and math.prod(shape) * dt.itemsize == e - b
-        ):
-            entries[name] = (dt, tuple(shape), b, e)
-        else:
-            return None
-        pos = e
+            dt, size = by_code[spec["dtype"]]
+            shape = spec["shape"]
+            b, e = spec["data_offsets"]
+            if type(b) is not int or type(e) is not int or b != pos or not b <= e <= data_len:
+                return None
+            if len(shape) == 1:
+                d0 = shape[0]
+                if not (type(d0) is int and 0 < d0 < 2**31 and d0 * size == e - b):
+                    return None
+                vector = vectors.get(d0)
+                if vector is None:
+                    vector = vectors[d0] = (d0,)
+                entries[name] = (dt, vector, b, e)
+            elif (
+                type(shape) is list
+                and len(shape) <= 8
+                and all(type(d) is int and 0 < d < 2**31 for d in shape)
+                and math.prod(shape) * size == e - b
+            ):
+                entries[name] = (dt, tuple(shape), b, e)
+            else:
+                return None
+            pos = e
+    except (KeyError, TypeError, ValueError):
+        return None
     if pos != data_len:
         return None
     # Members: the top level's, the metadata's, three per entry (their keys and dtype
@@ -1009,11 +1021,16 @@ def _views(
     whole: dict[np.dtype[Any], np.ndarray] = {}
     out: dict[str, np.ndarray] = {}
     size = len(view) - base
+    last = None
+    flat: np.ndarray = np.empty(0, np.uint8)
+    k = 1
     for name, (dt, shape, b, e) in entries.items():
-        flat = whole.get(dt)
-        if flat is None:
-            flat = whole[dt] = np.frombuffer(view, dt, size // dt.itemsize, base)
-        k = dt.itemsize
+        if dt is not last:  # runs of one dtype are the rule: no lookup (dtype hashes are slow)
+            last, k = dt, dt.itemsize
+            known = whole.get(dt)
+            if known is None:
+                known = whole[dt] = np.frombuffer(view, dt, size // k, base)
+            flat = known
         if b % k:
             out[name] = _view_array(view, dt, shape, base + b, base + e)
         elif len(shape) == 1:
@@ -1062,13 +1079,14 @@ def _plain_nesting(text: str, arrays: dict[str, np.ndarray]) -> dict[str, Any] |
     """The tree of the common structure document without parsing it, or None.
 
     The common tree is nested str-keyed dicts of arrays, each named by its key
-    path: its document is the nesting of the tensor names alone.  That document
-    is written here from the names (in the tree's order: keys sorted per level)
-    while the tree is built, and the tree is taken only if the document equals
-    the file's, character for character: then :class:`_Rebuilder` would have
-    built the same tree.  Names that ``json.dumps`` would escape, that need a
-    key-path escape (a component starting ``[``, ``#``, empty, with ``\\``) or
-    nest too deep decline, as does any other document (scalars, lists, ``None``).
+    path: its document is the nesting of the tensor names alone.  The tree is
+    built from the names (in the tree's order: keys sorted per level), its
+    document written from it (:func:`_nesting_document`), and the tree taken
+    only if that equals the file's document, character for character: then
+    :class:`_Rebuilder` would have built the same tree.  Names that
+    ``json.dumps`` would escape, that need a key-path escape (a component
+    starting ``[``, ``#``, empty, with ``\\``) or nest too deep decline, as
+    does any other document (scalars, lists, ``None``).
     """
     names = list(arrays)
     joined = "/".join(names)
@@ -1088,38 +1106,93 @@ def _plain_nesting(text: str, arrays: dict[str, np.ndarray]) -> dict[str, Any] |
     splits = [name.split("/") for name in names]
     if max(map(len, splits)) > MAX_TREE_DEPTH:
         return None  # the rebuild reports it
-    parts = ['{"dict":[']
+    order = sorted(range(len(names)), key=splits.__getitem__)
+    values = list(arrays.values())
     root: dict[str, Any] = {}
-    stack = [root]  # the dicts along the previous name's path
-    prev: list[str] = []
-    for i in sorted(range(len(names)), key=splits.__getitem__):
-        comps = splits[i]
-        n = len(comps) - 1
-        p = 0
-        if prev:
-            m = min(n, len(prev) - 1)
-            while p < m and comps[p] == prev[p]:
-                p += 1
-            parts.append("]}]" * (len(prev) - 1 - p) + ",")
-            del stack[p + 1 :]
-        d = stack[p]
-        for c in comps[p:n]:
-            if c in d:  # a leaf and a subtree under one key: the document cannot match
-                return None
-            parts.append(f'["{c}",{{"dict":[')
-            sub: dict[str, Any] = {}
-            d[c] = sub
-            stack.append(sub)
-            d = sub
-        leaf = comps[n]
-        if leaf in d:
+    try:
+        for i in order:
+            # The common depths spelled out: a loop over the path costs twice as much.
+            comps = splits[i]
+            depth = len(comps)
+            if depth == 3:
+                a, b, c = comps
+                root.setdefault(a, {}).setdefault(b, {})[c] = values[i]
+            elif depth == 2:
+                a, b = comps
+                root.setdefault(a, {})[b] = values[i]
+            elif depth == 4:
+                a, b, c, e = comps
+                root.setdefault(a, {}).setdefault(b, {}).setdefault(c, {})[e] = values[i]
+            else:
+                d = root
+                for c in comps[:-1]:
+                    d = d.setdefault(c, {})
+                d[comps[-1]] = values[i]
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return None  # a leaf where a subtree goes (an array has no setdefault)
+    # A subtree and a leaf under one key leave one of them out of the tree, which
+    # _nesting_document sees (a name left over); no other difference is possible.
+    doc = _nesting_document(root, [names[i] for i in order])
+    return root if doc == text else None
+
+
+# The document's text between two strings, for each such text of the compact JSON of
+# a plain nesting (see _nesting_document); filled as they are met.
+_DOC_PIECES: dict[str, str] = {}
+
+
+def _nesting_document(root: dict[str, Any], names: list[str]) -> str | None:
+    """The structure document of ``root``, whose leaves are the tensors ``names`` in order.
+
+    ``root`` is a nesting of str-keyed dicts of arrays, keys and ``names``
+    plain ASCII without quotes or backslashes (so JSON writes them as they
+    are), its leaves met in the order of ``names``.  The document is written
+    from ``root``'s compact JSON with each leaf written as its name (in C, as
+    its leaves are many): that text alternates strings (keys and names, which
+    the document keeps) and the text between them, which has a few forms
+    (``{``, ``:{``, ``:``, ``}}…,``, ``}}…``), each standing for one text of
+    the document.  None: a name was left over (a leaf lost to a subtree under
+    its key) or the tree is not such a nesting.
+    """
+    it = iter(names)
+    loads = _fast_loads()  # orjson present: its dumps writes the compact text
+    try:
+        if loads is not None:
+            import orjson
+
+            compact = orjson.dumps(root, default=functools.partial(next, it)).decode()
+        else:
+            compact = json.dumps(root, default=functools.partial(next, it), separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError):
+        return None
+    if next(it, None) is not None:
+        return None
+    pieces = compact.split('"')
+    last = pieces[-1]
+    if len(pieces) < 5 or pieces[0] != "{" or not last or last != "}" * len(last):
+        return None
+    pieces[0] = '{"dict":[["'
+    pieces[-1] = '"}]' + "]}]" * (len(last) - 1) + "]}"
+    between = pieces[2:-1:2]
+    for piece in set(between).difference(_DOC_PIECES):
+        found = _doc_piece(piece)
+        if found is None:
             return None
-        name = names[i]
-        d[leaf] = arrays[name]
-        parts.append(f'["{leaf}",{{"leaf":"{name}"}}]')
-        prev = comps
-    parts.append("]}]" * (len(prev) - 1) + "]}")
-    return root if "".join(parts) == text else None
+        _DOC_PIECES[piece] = found
+    pieces[2:-1:2] = map(_DOC_PIECES.__getitem__, between)
+    return "".join(pieces)
+
+
+def _doc_piece(piece: str) -> str | None:
+    """The document's text for ``piece``, the compact JSON between a string and the next."""
+    if piece == ":{":  # a key, then a dict: {"dict":[[ and its first key
+        return '",{"dict":[["'
+    if piece == ":":  # a key, then a leaf: its name comes next
+        return '",{"leaf":"'
+    closed = len(piece) - 1  # a leaf's name, the dicts it closes, then the next key
+    if piece == "}" * closed + ",":
+        return '"}]' + "]}]" * closed + ',["'
+    return None
 
 
 def inspect(source: ByteSource) -> Info:

@@ -19,6 +19,10 @@ the same run (absolute numbers drift on shared machines; ratios mean more):
   blocks (``PYTREEIO_NO_NUMBA=1``) or onto the compiled kernels
   (:mod:`pytreeio.kernels`; skipped when numba is not installed), and the
   same for a bare transpose copy (``copy_transposed``) of the input;
+* ``pytreeio range check``: :func:`pytreeio.quant.check_quantisable` alone (the pass a
+  streaming writer makes before writing anything); ``pytreeio bands``: the same quantisation
+  streamed in bands (:func:`pytreeio.quant.quantise_bands`: a producer thread, the taker
+  computing too when a band is not ready), every band taken in order;
 * ``jit from numpy``: the jit kernel from the same numpy array to a numpy
   array (what ``quantise`` ran on CPU before the host path), and the jit kernels
   on a device-resident array (on CPU the transpose is a second call; see
@@ -133,6 +137,21 @@ def main() -> None:
 
         return run
 
+    def bands(transpose_: bool) -> Callable[[], Any]:
+        """Every band of a streamed quantisation taken in order (a producer thread, the taker helping)."""
+
+        def run() -> None:
+            stream = quant.quantise_bands([(x, 255, "i16", True, transpose_)])
+            assert stream is not None
+            for b in stream.of_job[0]:
+                stream.take(b)
+
+        return run
+
+    if quant.on_cpu():
+        cases["pytreeio range check"] = lambda: quant.check_quantisable(x, 255, "i16", round=True)
+        cases["pytreeio bands"] = bands(False)
+        cases["pytreeio bands + transpose"] = bands(True)
     t_out = np.empty(x.shape[::-1], x.dtype)
     for label, numba in (("numpy", False), ("numba", True)):
         if numba and not kernels.available():
