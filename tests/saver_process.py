@@ -59,8 +59,12 @@ class SaverProcess:
 
     def possible_versions(self, previous: int | None = None) -> set[int]:
         """The version on disk before the last save it started, and that save's version."""
-        done = [int(line.split()[1]) for line in self.lines if line.startswith("done")]
-        started = [int(line.split()[1]) for line in self.lines if line.startswith("start")]
+        # A kill can cut a line short (an unbuffered stdout writes print's parts one by
+        # one): "done" without its number says no more than the "start" before it.
+        done = [int(p[1]) for p in map(str.split, self.lines) if p[:1] == ["done"] and len(p) > 1]
+        started = [
+            int(p[1]) for p in map(str.split, self.lines) if p[:1] == ["start"] and len(p) > 1
+        ]
         out = {started[-1]} if started else set()
         if done:
             out.add(done[-1])
