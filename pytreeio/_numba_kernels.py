@@ -169,39 +169,27 @@ def _round32(x: Any, out: Any, q: Any) -> tuple[Any, Any]:
 
 
 @_inline
-def _trunc32_chunks(x: Any, out: Any, scale: float, lo: float, hi: float) -> int:
+def _f32_chunks(x: Any, out: Any, scale: float, lo: float, hi: float, round_: bool) -> int:
+    """The float32 loop chunk by chunk; a chunk holding a value it cannot place is redone in float64."""
     q = np.float32(scale)
     lo32, hi32 = max(lo, -F32_LIMIT), min(hi, F32_LIMIT)
     bad = 0
     for c in range(0, x.size, CHUNK):
         xc, oc = x[c : c + CHUNK], out[c : c + CHUNK]
-        a, b = _trunc32(xc, oc, q)
+        a, b = _round32(xc, oc, q) if round_ else _trunc32(xc, oc, q)
         if a < lo32 or b > hi32:
-            bad += _trunc64(xc, oc, scale, lo, hi)
-    return bad
-
-
-@_inline
-def _round32_chunks(x: Any, out: Any, scale: float, lo: float, hi: float) -> int:
-    q = np.float32(scale)
-    lo32, hi32 = max(lo, -F32_LIMIT), min(hi, F32_LIMIT)
-    bad = 0
-    for c in range(0, x.size, CHUNK):
-        xc, oc = x[c : c + CHUNK], out[c : c + CHUNK]
-        a, b = _round32(xc, oc, q)
-        if a < lo32 or b > hi32:
-            bad += _round64(xc, oc, scale, lo, hi)
+            bad += _round64(xc, oc, scale, lo, hi) if round_ else _trunc64(xc, oc, scale, lo, hi)
     return bad
 
 
 @_jit
 def quantise_trunc32(x: Any, out: Any, scale: float, lo: float, hi: float) -> int:
-    return _trunc32_chunks(x, out, scale, lo, hi)
+    return _f32_chunks(x, out, scale, lo, hi, False)
 
 
 @_jit
 def quantise_round32(x: Any, out: Any, scale: float, lo: float, hi: float) -> int:
-    return _round32_chunks(x, out, scale, lo, hi)
+    return _f32_chunks(x, out, scale, lo, hi, True)
 
 
 @_jit
@@ -214,18 +202,15 @@ def quantise_columns(
     vectorised loops above do every row (inlined: no call per row).
     """
     bad = 0
-    if 0.0 < scale < 16777216.0 and round_:  # kernels.F32_SCALES
-        for r in range(x.shape[0]):
-            bad += _round32_chunks(x[r, c0:c1], out[r], scale, lo, hi)
-    elif 0.0 < scale < 16777216.0:
-        for r in range(x.shape[0]):
-            bad += _trunc32_chunks(x[r, c0:c1], out[r], scale, lo, hi)
-    elif round_:
-        for r in range(x.shape[0]):
-            bad += _round64(x[r, c0:c1], out[r], scale, lo, hi)
-    else:
-        for r in range(x.shape[0]):
-            bad += _trunc64(x[r, c0:c1], out[r], scale, lo, hi)
+    f32 = 0.0 < scale < 16777216.0  # kernels.F32_SCALES
+    for r in range(x.shape[0]):
+        xr, o = x[r, c0:c1], out[r]
+        if f32:
+            bad += _f32_chunks(xr, o, scale, lo, hi, round_)
+        elif round_:
+            bad += _round64(xr, o, scale, lo, hi)
+        else:
+            bad += _trunc64(xr, o, scale, lo, hi)
     return bad
 
 

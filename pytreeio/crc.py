@@ -15,14 +15,13 @@ than zlib's table-driven one); where that package cannot be installed, zlib's
 from __future__ import annotations
 
 import functools
-import os
-import threading
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .binary import Buffer, as_memoryview
+from .pools import LazyPool, cores
 
 __all__ = [
     "crc32",
@@ -39,11 +38,9 @@ __all__ = [
 PIECE = 4 << 20
 #: Below this many bytes in all, hashing on the calling thread is faster than a hand-off.
 _PARALLEL_MIN = 2 * PIECE
-_MAX_THREADS = 8
 _POLY = 0xEDB88320  # CRC-32 polynomial, reflected
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_POOL = LazyPool("pytreeio-crc")
 
 
 @functools.cache
@@ -119,30 +116,12 @@ def _gf2_combine(crc1: int, crc2: int, len2: int) -> int:
 
 def pool() -> ThreadPoolExecutor:
     """The thread pool the hashes run on (:func:`threads` of them), for work that hashes."""
-    return _get_pool()
+    return _POOL.get()
 
 
 def threads() -> int:
     """How many threads :func:`pool` has: one per core, up to eight."""
-    return max(1, min(_MAX_THREADS, os.cpu_count() or 1))
-
-
-def _get_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(threads(), thread_name_prefix="pytreeio-crc")
-        return _pool
-
-
-def _forget_pool() -> None:
-    # A forked child has the pool object but none of its threads: make it start a new one.
-    global _pool
-    _pool = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
+    return cores()
 
 
 def _pieces(chunks: Sequence[Buffer]) -> list[memoryview]:
@@ -165,8 +144,8 @@ def crc32_many(buffers: Sequence[Sequence[Buffer]]) -> list[int]:
     if total < _PARALLEL_MIN:
         results: list[Any] = [[hash_(p) for p in pieces] for pieces in items]
     else:
-        pool = _get_pool()
-        futures = [[pool.submit(hash_, p) for p in pieces] for pieces in items]
+        workers = pool()
+        futures = [[workers.submit(hash_, p) for p in pieces] for pieces in items]
         results = [[f.result() for f in fs] for fs in futures]
     out: list[int] = []
     for pieces, crcs in zip(items, results):
@@ -201,7 +180,7 @@ def crc32_start(chunks: Sequence[Buffer]) -> Callable[[], int]:
     if sum(len(v) for v in views) < _PARALLEL_MIN:
         value = _sequential(views)
         return lambda: value
-    future = _get_pool().submit(_sequential, views)
+    future = pool().submit(_sequential, views)
     return future.result
 
 

@@ -90,7 +90,6 @@ import os
 import re
 import stat
 import sys
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -100,6 +99,7 @@ import numpy as np
 
 from .binary import Buffer, BufferSource, ByteSource, as_memoryview
 from .errors import EncodeError, FormatError
+from .pools import LazyPool
 from .registry import Deferred, Directory, Encoded, File, Layout, Probe, Siblings
 
 if TYPE_CHECKING:  # concurrent.futures is imported by the first parallel read (import time)
@@ -942,9 +942,7 @@ def _write_atomic(
 # pays serially (~20% below a read into already-touched memory).
 _PARALLEL_MIN = 64 << 20
 _PARALLEL_BLOCK = 16 << 20
-_PARALLEL_THREADS = 4
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_POOL = LazyPool("pytreeio-read", lambda: 4)
 
 
 def _read_range(
@@ -960,24 +958,8 @@ def _read_range(
 
 
 def _get_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _pool = ThreadPoolExecutor(_PARALLEL_THREADS, thread_name_prefix="pytreeio-read")
-        return _pool
-
-
-def _forget_pool() -> None:
-    # A forked child inherits the pool object but none of its threads (jobs would wait
-    # forever): the child's first parallel job starts a new pool.
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
+    """The pool that reads large files in blocks (four threads: page faults in parallel)."""
+    return _POOL.get()
 
 
 def _read_fd(fd: int, name: str, mmap: bool) -> memoryview:

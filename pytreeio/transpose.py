@@ -20,7 +20,6 @@ the numpy tiles; ``PYTREEIO_NO_NUMBA=1`` keeps the numpy tiles).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import kernels
+from .pools import LazyPool, cores
 
 __all__ = ["copy_transposed", "pool", "threads", "Pipeline"]
 
@@ -40,37 +40,17 @@ _TILE = 16
 #: costs more than it saves).
 _PARALLEL_MIN = 1 << 20
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_POOL = LazyPool("pytreeio-copy")
 
 
 def threads() -> int:
     """Worker threads of :func:`pool`: the cores this process may run on (at most 8)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        n = os.cpu_count() or 1
-    return max(1, min(8, n))
+    return cores()
 
 
 def pool() -> ThreadPoolExecutor:
     """The process-wide pool for GIL-releasing copies and reads (created on first use)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(threads(), thread_name_prefix="pytreeio-copy")
-        return _pool
-
-
-def _forget_pool() -> None:
-    # A forked child inherits the pool object but none of its threads (jobs would wait
-    # forever): the child's first parallel job starts a new pool.
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
+    return _POOL.get()
 
 
 def _tiles(src: np.ndarray, dst: np.ndarray, start: int, stop: int) -> None:

@@ -255,13 +255,18 @@ def _on_every_edge(scale: int) -> np.ndarray:
     ks = np.concatenate([np.arange(-300, 300), np.geomspace(300, 2.0**23, 400).round()])
     ks = np.concatenate([ks, -ks])
     centre = (np.concatenate([ks, ks + 0.5]) / scale).astype(np.float32)
-    xs = [centre]
+    return np.concatenate([centre, *_ulps_around(centre, 2)])
+
+
+def _ulps_around(v: np.ndarray, steps: int) -> list[np.ndarray]:
+    """``v`` moved 1 ... ``steps`` float32 ulps up, then 1 ... ``steps`` down."""
+    out = []
     for direction in (np.inf, -np.inf):
-        near = centre
-        for _ in range(2):
+        near = v
+        for _ in range(steps):
             near = np.nextafter(near, np.float32(direction))
-            xs.append(near)
-    return np.concatenate(xs)
+            out.append(near)
+    return out
 
 
 @needs_numba
@@ -276,12 +281,7 @@ def test_float32_kernels_on_integer_and_half_integer_products(
 
     x = _on_every_edge(scale)
     straddle = np.float32(2.0**22 / scale)
-    near = [straddle]
-    for direction in (np.inf, -np.inf):
-        step = straddle
-        for _ in range(4):
-            step = np.nextafter(step, np.float32(direction))
-            near.append(step)
+    near = [straddle, *_ulps_around(straddle, 4)]
     tiny = [0.0, -0.0, 1e-45, -1e-45, 1e-38, -1e-38, 1.1754942e-38, 0.5 / scale, -0.5 / scale]
     x = np.concatenate([x, np.float32(near), -np.float32(near), np.float32(tiny)])
     x = x[np.random.default_rng(scale).permutation(x.size)]  # edge values in every chunk
