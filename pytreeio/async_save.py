@@ -32,7 +32,6 @@ checkpoint (a failure then is printed to stderr, nobody being left to see it).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import sys
 import threading
@@ -44,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from . import io
+from . import io, sharding
 from .binary import as_memoryview
 from .errors import EncodeError
 from .registry import Deferred, Encoded, Format
@@ -144,19 +143,6 @@ def wait_saves(timeout: float | None = None) -> None:
         if len(errors) > 1:
             errors[0].add_note(f"({len(errors) - 1} other background save(s) failed too)")
         raise errors[0]
-
-
-def _start_host_copies(tree: Any) -> None:
-    """Start the device-to-host copy of every jax array at once (they then overlap)."""
-    jax = sys.modules.get("jax")
-    if jax is None:  # no jax imported: the tree holds no jax arrays
-        return
-    for leaf in jax.tree_util.tree_leaves(tree):
-        if isinstance(leaf, jax.Array) and not jax.dtypes.issubdtype(
-            leaf.dtype, jax.dtypes.prng_key
-        ):
-            with contextlib.suppress(Exception):  # deleted or donated: encoding reports it
-                leaf.copy_to_host_async()
 
 
 def _snapshot(encoded: Encoded) -> Encoded:
@@ -327,7 +313,7 @@ def save_async(
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
         raise ValueError(f"max_pending_bytes must be an int >= 0, not {max_pending_bytes!r}")
     fmt = _format_for_save(path, format)
-    _start_host_copies(tree)
+    sharding.start_host_copies(tree)
     encoded = _encode(fmt, tree, meta, options, path)
     reserved = encoded.nbytes
     _reserve(reserved, limit)

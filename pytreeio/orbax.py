@@ -63,7 +63,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 from orbax.checkpoint import future as ocp_future
 
-from . import api, async_save, io, registry
+from . import api, async_save, io, registry, sharding
 from .errors import EncodeError, FormatError
 from .jsonsafe import loads as json_loads
 from .registry import Encoded, Format, Info
@@ -168,7 +168,7 @@ def _host_ready(tree: Any) -> None:
                 "fully addressable arrays only (one file from the primary process)",
                 key_path=jax.tree_util.keystr(path),
             )
-    async_save._start_host_copies(tree)
+    sharding.start_host_copies(tree)
 
 
 def _prepare(args: PytreeioSave) -> _Pending:

@@ -1,9 +1,12 @@
 """Jit-compiled layout transforms and quantisation.
 
-jax is imported on first use, never at ``import pytreeio``.  Every transform
-is compiled once per (shape, dtype, static arguments) and runs on the default
-JAX device (an accelerator when present); results come back as numpy arrays
-because they are about to be written to a file.
+jax is imported on first use, never at ``import pytreeio``.  Work runs where
+its input lives: a jax array is transformed by a kernel compiled once per
+(shape, dtype, static arguments) on its device (an accelerator when present),
+a numpy array on the host (never sent to an accelerator and back: on an H100
+machine that round trip cost more than the host computation, and jax takes
+no big-endian arrays).  Results come back as numpy arrays because they are
+about to be written to a file.
 
 Quantisation
 ------------
@@ -13,11 +16,13 @@ or, with ``round=True``, ``Q*x`` rounded half away from zero (Rust's
 ``f64::round``).  One jit-compiled kernel scales, rounds or truncates,
 casts and (optionally) transposes in one elementwise loop, and checks the
 range from the input's minimum and maximum (one variadic reduction; see
-``_quantise_kernel`` for why that is exact).  XLA on CPU emits these as two
-loops over the input (it fuses no reduction with an elementwise output) and
-runs a fused transpose very slowly, so on CPU the transpose of the 1-4 byte
-result is a second call (``_fuses_transposes``).  When jax computes on the
-CPU, :func:`quantise` and :func:`quantise_async` do not call jax at all:
+``_quantise_kernel`` for why that is exact).  A transpose is a second kernel
+on the 1-4 byte result: fused into the elementwise loop it is slower on
+every backend measured (on CPU XLA emits it element by element, about 20x
+slower; on an H100 the fused kernel ran at 318 GB/s of input, the kernel then
+a separate transpose at 698 GB/s).  When jax computes on the
+CPU, or is given a numpy array, :func:`quantise` and :func:`quantise_async`
+do not call jax at all:
 :mod:`pytreeio.quant_host` computes the same bits with numpy in cache-sized
 blocks on every core (float32 where that is provably exact, the range check
 in the same pass, no copy of the input into jax's buffers) and the 1-4 byte
@@ -78,7 +83,6 @@ bucket is contiguous (what bullet's ``transpose`` writes), and
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
@@ -139,10 +143,11 @@ def transpose(x: Any, axes: Sequence[int]) -> np.ndarray:
     Arrays of 0 or 1 dimensions, identity permutations and views whose
     transpose is already C-contiguous are returned without a copy.  A numpy
     array is transposed on the host (tiled copies on the cores,
-    :func:`copy_transposed`) unless jax is already imported and computes on
-    an accelerator; anything else by a jit-compiled kernel on the default
-    device.  A numpy transpose never imports jax (a second or more) just to
-    ask where it computes.
+    :func:`copy_transposed`; a big-endian one comes back little-endian)
+    whatever device jax computes on: a trip to an accelerator and back costs
+    more than the copy, and jax takes no big-endian arrays.  A jax array is
+    transposed by a jit-compiled kernel where it lives.  A numpy transpose
+    never imports jax.
     """
     axes = tuple(int(a) for a in axes)
     arr = x if isinstance(x, np.ndarray) else None
@@ -152,17 +157,18 @@ def transpose(x: Any, axes: Sequence[int]) -> np.ndarray:
         view = arr.transpose(axes)
         if arr.size == 0 or (view.flags.c_contiguous and view.dtype.byteorder in "=|<"):
             return dtypes.c_order(view)
-        if "jax" not in sys.modules or on_cpu():
-            little = view.dtype.newbyteorder("<") if view.dtype.byteorder == ">" else view.dtype
-            out = np.empty(view.shape, little)
-            copy_transposed(view, out)
-            return out
+        little = view.dtype.newbyteorder("<") if view.dtype.byteorder == ">" else view.dtype
+        out = np.empty(view.shape, little)
+        copy_transposed(view, out)
+        return out
     return np.asarray(transpose_to_device(x, axes))
 
 
 def on_cpu() -> bool:
-    """Whether jax's default backend is the CPU (host transposes beat a device round trip)."""
-    return not _fuses_transposes()
+    """Whether jax's default backend is the CPU (jax is imported to ask)."""
+    import jax
+
+    return bool(jax.default_backend() == "cpu")
 
 
 # copy_transposed (tiled, multi-threaded host copies) lives in pytreeio.transpose
@@ -195,7 +201,7 @@ def _rounded(v: Any, round_: bool) -> Any:
 
 
 @cache
-def _values_kernel(type_name: str, round_: bool, transpose_: bool) -> Any:
+def _values_kernel(type_name: str, round_: bool) -> Any:
     """The elementwise part of :func:`_quantise_kernel` alone: ``(x f32, scale f64) -> q``.
 
     The same expression, so the same bits; for values already checked by
@@ -204,10 +210,10 @@ def _values_kernel(type_name: str, round_: bool, transpose_: bool) -> Any:
     """
     import jax
 
-    return jax.jit(_values_fn(type_name, round_, transpose_))
+    return jax.jit(_values_fn(type_name, round_))
 
 
-def _values_fn(type_name: str, round_: bool, transpose_: bool) -> Callable[[Any, Any], Any]:
+def _values_fn(type_name: str, round_: bool) -> Callable[[Any, Any], Any]:
     """The traced expression of ``q`` both jit kernels share (so both give the same bits)."""
     import jax.numpy as jnp
 
@@ -222,8 +228,7 @@ def _values_fn(type_name: str, round_: bool, transpose_: bool) -> Callable[[Any,
         if round_:
             frac = v - t.astype(jnp.float64)  # exact
             t = t + (frac >= 0.5).astype(wide) - (frac <= -0.5).astype(wide)
-        q = jnp.clip(t, int(lo), int(hi)).astype(out_dtype)
-        return q.T if transpose_ else q
+        return jnp.clip(t, int(lo), int(hi)).astype(out_dtype)
 
     return values
 
@@ -253,7 +258,7 @@ def _range_kernel(type_name: str, round_: bool) -> Any:
 
 
 @cache
-def _quantise_kernel(type_name: str, round_: bool, transpose_: bool) -> Any:
+def _quantise_kernel(type_name: str, round_: bool) -> Any:
     """The fused kernel ``(x f32, scale f64) -> (q, ok)``; ``ok`` is False when any value does not fit.
 
     Range check: ``q`` is a monotonic function of ``x`` (the float64 product
@@ -276,7 +281,7 @@ def _quantise_kernel(type_name: str, round_: bool, transpose_: bool) -> Any:
 
     info = np.iinfo(INT_TYPES[type_name])
     lo, hi = float(info.min), float(info.max)
-    values = _values_fn(type_name, round_, transpose_)
+    values = _values_fn(type_name, round_)
 
     def kernel(x: Any, scale: Any) -> tuple[Any, Any]:
         q = values(x, scale)
@@ -313,19 +318,6 @@ def _first_bad_kernel(type_name: str, round_: bool) -> Any:
         return jnp.where(jnp.any(bad), jnp.argmax(bad), -1)
 
     return jax.jit(first_bad)
-
-
-def _fuses_transposes() -> bool:
-    """Whether XLA on the default backend computes a transposed elementwise result at full speed.
-
-    On CPU it does not: a fused transpose is emitted element by element in
-    output order, with strided reads of the input (measured about 20x slower
-    than the kernel without it), while transposing the 1-4 byte result in a
-    second call costs a fraction of the kernel.  GPUs tile fused transposes.
-    """
-    import jax
-
-    return jax.default_backend() != "cpu"
 
 
 def _is_jax_array(x: Any) -> bool:
@@ -402,10 +394,9 @@ def quantise(
     if int(np.prod(shape, dtype=np.int64)) == 0:
         empty = np.zeros(shape, dtype)
         return empty.T.copy() if transpose else empty
-    if on_cpu():
+    if isinstance(x32, np.ndarray) or on_cpu():
         return _quantise_host(x32, int(scale), type_name, bool(round), bool(transpose), name)
-    fused = bool(transpose) and _fuses_transposes()
-    kernel = _quantise_kernel(type_name, bool(round), fused)
+    kernel = _quantise_kernel(type_name, bool(round))
     scale64 = np.float64(int(scale))
     with jax.enable_x64(True):
         q, ok = kernel(x32, scale64)
@@ -413,7 +404,7 @@ def quantise(
             first = int(_first_bad_kernel(type_name, bool(round))(x32, scale64))
             first = max(first, 0)  # -1 cannot happen: both checks use _rounded
             raise _quantisation_error(x32, first, int(scale), type_name, bool(round), name, shape)
-    if transpose and not fused:
+    if transpose:
         q = transpose_to_device(q, (1, 0))
     return dtypes.c_order(np.asarray(q))
 
@@ -547,7 +538,7 @@ def quantise_async(
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes == 0:
         return Pending(np.zeros(out_shape, dtype), out_shape, 0)
-    if on_cpu():
+    if isinstance(x32, np.ndarray) or on_cpu():
         host = np.asarray(x32)
 
         def job() -> np.ndarray:
@@ -556,10 +547,9 @@ def quantise_async(
             )[0]
 
         return Pending(_runner().submit(job), out_shape, nbytes)
-    fused = bool(transpose) and _fuses_transposes()
     with jax.enable_x64(True):
-        q = _values_kernel(type_name, bool(round), fused)(x32, np.float64(int(scale)))
-    if transpose and not fused:
+        q = _values_kernel(type_name, bool(round))(x32, np.float64(int(scale)))
+    if transpose:
         q = transpose_to_device(q, (1, 0))
     return Pending(q, out_shape, nbytes)
 
@@ -569,17 +559,15 @@ def quantise_bands(
 ) -> quant_host.Bands | None:
     """Host bands for ``(x32, scale, type, round, transpose)`` jobs (checked by :func:`check_quantisable`), or None.
 
-    For a writer that streams many quantised arrays into one file: on the
-    CPU (numpy arrays, jax not imported or computing on the CPU) the values
-    are computed in bands ahead of the writer on a thread of their own, in
-    reused buffers (:class:`pytreeio.quant_host.Bands`), bit for bit
-    :func:`quantise`'s.  None elsewhere: the caller dispatches
-    :func:`quantise_async` per array (an accelerator computes a whole array
-    at once).
+    For a writer that streams many quantised arrays into one file: when
+    every array is a numpy array (host memory, whatever device jax computes
+    on) the values are computed in bands ahead of the writer on a thread of
+    their own, in reused buffers (:class:`pytreeio.quant_host.Bands`), bit
+    for bit :func:`quantise`'s.  None when some are jax arrays: the caller
+    dispatches :func:`quantise_async` per array (where an array lives, an
+    accelerator computes it whole).
     """
     if not all(isinstance(x, np.ndarray) for x, *_ in jobs):
-        return None
-    if "jax" in sys.modules and not on_cpu():
         return None
     host = []
     for x32, scale, type_name, round_, transpose_ in jobs:

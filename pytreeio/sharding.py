@@ -72,11 +72,13 @@ __all__ = [
     "c_runs",
     "is_sharded",
     "load_sliced",
+    "on_accelerator",
     "place",
     "read_region",
     "region_of",
     "save_in_parts",
     "sharded_leaf",
+    "start_host_copies",
     "thread_group",
     "wants_slices",
 ]
@@ -175,9 +177,44 @@ def is_sharded(x: Any) -> bool:
         return False
 
 
+def on_accelerator(x: Any) -> bool:
+    """A ``jax.Array`` held whole on one accelerator device (a GPU, a TPU): not host memory."""
+    jax = sys.modules.get("jax")
+    if jax is None or not isinstance(x, jax.Array):
+        return False
+    try:
+        (device,) = x.sharding.device_set
+    except Exception:  # several devices, tracers, deleted arrays
+        return False
+    return bool(device.platform != "cpu")
+
+
+def start_host_copies(tree: Any) -> None:
+    """Start the device-to-host copy of every whole, accelerator-held jax array in ``tree`` at once.
+
+    For a caller about to take every array to the host (``save_async``'s
+    snapshot): the transfers overlap instead of running one after another.
+    Arrays split over devices start their shards' copies when their first
+    band is taken; CPU arrays are host memory already.
+    """
+    jax = sys.modules.get("jax")
+    if jax is None:  # no jax imported: the tree holds no jax arrays
+        return
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if on_accelerator(leaf) and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            with contextlib.suppress(Exception):  # deleted or donated: encoding reports it
+                leaf.copy_to_host_async()
+
+
 def sharded_leaf(x: Any, key: str) -> ShardedLeaf | None:
-    """The :class:`ShardedLeaf` an encoder writes for ``x``, or None for other leaves."""
-    if not is_sharded(x):
+    """The :class:`ShardedLeaf` an encoder writes for ``x``, or None for other leaves.
+
+    Arrays split over devices, and arrays held whole on an accelerator: the
+    host copy of such an array starts when its leaf is made (an encoder makes
+    them all before writing) and is awaited only when its bytes are written,
+    so later transfers overlap earlier writes.
+    """
+    if not (is_sharded(x) or on_accelerator(x)):
         return None
     from . import keys
 
@@ -203,7 +240,7 @@ class ShardChunk(Deferred):
 class ShardedLeaf(Streamed):
     """A sharded ``jax.Array`` as an encoder sees it: shape, dtype, nbytes and chunks of its bytes."""
 
-    __slots__ = ("_array", "_blocks", "_host", "_key", "_left", "_pieces", "_rows")
+    __slots__ = ("_array", "_blocks", "_host", "_key", "_left", "_pieces", "_rows", "_whole")
 
     def __init__(self, array: Any, key: str = "") -> None:
         dtype = np.dtype(array.dtype)
@@ -235,6 +272,12 @@ class ShardedLeaf(Streamed):
                 key_path=key,
             )
         self._pieces = pieces
+        # one device holds it all: its host copy is the array's own (the one
+        # start_host_copies began), not a second transfer through a shard's view
+        self._whole = len(pieces) == 1 and len(array.sharding.device_set) == 1
+        if self._whole:  # started now, while the encoder goes on: awaited when written
+            with contextlib.suppress(Exception):  # deleted or donated: reported when read
+                array.copy_to_host_async()
         self._blocks = {
             region_of(index, self.shape)
             for index in array.sharding.devices_indices_map(self.shape).values()
@@ -248,7 +291,9 @@ class ShardedLeaf(Streamed):
         return list(self._pieces)
 
     def _host_pieces(self) -> list[tuple[Region, np.ndarray]]:
-        if self._host is None:
+        if self._host is None and self._whole:
+            self._host = [(self._pieces[0][0], _host_array(self._array))]
+        elif self._host is None:
             for _, shard in self._pieces:  # every transfer started before the first is awaited
                 shard.data.copy_to_host_async()
             self._host = [(r, _host_array(s.data)) for r, s in self._pieces]

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import CONFORMANCE
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -16,8 +17,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
     [
         ("train_and_resume.py", ["--format", "safetensors"], "bit-exact = True"),
         ("convert_pipeline.py", [], "0 changed"),
-        ("tinyllama_generate.py", [], "generated ["),
-        ("load_foreign.py", [], "all 5 systems loaded"),
+        ("tinyllama_generate.py", [str(CONFORMANCE / "tinyllama" / "weights.bin")], "generated ["),
+        ("load_foreign.py", ["--conformance", str(CONFORMANCE)], "all 5 systems loaded"),
         ("orbax_manager.py", ["--format", "netcl-checkpoint"], "bit-exact = True"),
     ],
 )

@@ -76,10 +76,19 @@ def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(quant_host, "_PARALLEL_BLOCKS", 2)
 
 
-def test_runs_on_the_host() -> None:
-    assert quant.on_cpu()  # the suite runs jax on the CPU
-    pending = quant.quantise_async(np.float32([0.5, 1.0]), 255, "i16")
-    assert pending.result().tolist() == [127, 255]
+def test_numpy_input_runs_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    # whatever jax computes on (an accelerator too), numpy values never go to a jax kernel
+    def no_kernel(*args: object) -> None:
+        raise AssertionError("a jax kernel was called for numpy input")
+
+    for kernel in ("_quantise_kernel", "_values_kernel", "_range_kernel"):
+        monkeypatch.setattr(quant, kernel, no_kernel)
+    monkeypatch.setattr(quant, "on_cpu", lambda: False)  # as on a GPU machine
+    x = np.float32([0.5, 1.0, -0.5])
+    assert quant.quantise_async(x, 255, "i16").result().tolist() == [127, 255, -127]
+    assert quant.quantise(x, 255, "i16", round=True).tolist() == [128, 255, -128]
+    bands = quant.quantise_bands([(x, 255, "i16", False, False)])
+    assert bands is not None and bands.take(0).view("<i2").tolist() == [127, 255, -127]
 
 
 @pytest.mark.parametrize("type_name,scale", CASES)

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import CONFORMANCE
 
 pytest.importorskip("flax")
 
@@ -16,9 +17,7 @@ import pytreeio as ptio
 from pytreeio.fmt import tinyllama as tl
 from pytreeio.models import tinyllama as model
 
-WEIGHTS = (
-    Path(__file__).resolve().parents[2] / "shared" / "conformance" / "tinyllama" / "weights.bin"
-)
+WEIGHTS = CONFORMANCE / "tinyllama" / "weights.bin"
 PROMPT = [1, 5, 7, 42, 99]
 
 

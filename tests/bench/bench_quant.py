@@ -25,8 +25,8 @@ the same run (absolute numbers drift on shared machines; ratios mean more):
   computing too when a band is not ready), every band taken in order;
 * ``jit from numpy``: the jit kernel from the same numpy array to a numpy
   array (what ``quantise`` ran on CPU before the host path), and the jit kernels
-  on a device-resident array (on CPU the transpose is a second call; see
-  ``quant._fuses_transposes``).
+  on a device-resident array (the transpose is a second kernel on the result, as in
+  ``quant.quantise``).
 
 Every case quantises to i16 at scale 255 with rounding (``trunc``: truncating), from
 values that fit.
@@ -86,17 +86,16 @@ def main() -> None:
     copy_dst = np.empty_like(x)
     x_dev = jax.device_put(x)
     dev_copy = jax.jit(lambda a: a.copy())
-    fused = quant._fuses_transposes()
     scale64 = np.float64(255)
 
     def on_device(transpose: bool) -> Callable[[], Any]:
         """What quantise runs, on a device-resident array, without the transfers."""
-        kernel = quant._quantise_kernel("i16", True, transpose and fused)
+        kernel = quant._quantise_kernel("i16", True)
 
         def run() -> Any:
             with jax.enable_x64(True):
                 q, ok = kernel(x_dev, scale64)
-            if transpose and not fused:
+            if transpose:
                 q = quant.transpose_to_device(q, (1, 0))
             return jax.block_until_ready((q, ok))
 
@@ -104,8 +103,8 @@ def main() -> None:
 
     def jit_from_numpy(transpose: bool) -> Any:
         with jax.enable_x64(True):
-            q, ok = quant._quantise_kernel("i16", True, transpose and fused)(x, scale64)
-        if transpose and not fused:
+            q, ok = quant._quantise_kernel("i16", True)(x, scale64)
+        if transpose:
             q = quant.transpose_to_device(q, (1, 0))
         return np.asarray(q), bool(ok)
 

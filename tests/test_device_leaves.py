@@ -1,0 +1,107 @@
+"""Arrays held on an accelerator: saved as streamed leaves whose transfers overlap the writes.
+
+The suite runs on CPU, so these tests make jax CPU arrays count as
+accelerator-held (``sharding.on_accelerator``) and check that the path such
+arrays take on a GPU writes the same bytes as the ordinary one, takes each
+array's own host copy (one transfer, started when the array is encoded and
+awaited when it is written) and leaves the caller's tree as it was.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_bits_equal
+
+import pytreeio as ptio
+from pytreeio import sharding
+
+
+@pytest.fixture
+def as_if_on_gpu(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """jax arrays count as accelerator-held; returns the streamed leaves the encoders make."""
+    made: list[Any] = []
+    real_leaf = sharding.sharded_leaf
+
+    def on_accelerator(x: Any) -> bool:
+        return isinstance(x, jax.Array) and len(x.sharding.device_set) == 1
+
+    def sharded_leaf(x: Any, key: str) -> Any:
+        leaf = real_leaf(x, key)
+        if leaf is not None:
+            made.append(leaf)
+        return leaf
+
+    monkeypatch.setattr(sharding, "on_accelerator", on_accelerator)
+    monkeypatch.setattr(sharding, "sharded_leaf", sharded_leaf)
+    return made
+
+
+def _on_host(tree: Any) -> Any:
+    """``tree`` with numpy arrays for jax ones, dict order kept (tree_map sorts keys)."""
+    if isinstance(tree, dict):
+        return {k: _on_host(v) for k, v in tree.items()}
+    return np.asarray(tree) if isinstance(tree, jax.Array) else tree
+
+
+def _tree() -> dict[str, Any]:
+    rng = np.random.default_rng(3)
+    return {
+        "params": {
+            "dense": {
+                "kernel": jnp.asarray(rng.standard_normal((300, 70), np.float32)),
+                "bias": jnp.asarray(rng.standard_normal(70, np.float32)),
+            },
+            "embed": jnp.asarray(rng.integers(-9, 9, (5, 3, 4), dtype=np.int32)),
+            "scalar": jnp.float32(2.5),
+            "half": jnp.asarray(rng.standard_normal(33).astype(np.float16)),
+        },
+        "step": 7,
+    }
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".msgpack"])
+def test_accelerator_leaves_write_the_bytes_of_host_leaves(
+    suffix: str, tmp_path: Path, as_if_on_gpu: list[Any]
+) -> None:
+    tree = _tree()
+    host = _on_host(tree)
+    ptio.save(tmp_path / f"device{suffix}", tree)
+    # every array streamed whole, its transfer started when encoded, taken when written
+    assert len(as_if_on_gpu) == 5 and all(leaf._whole for leaf in as_if_on_gpu)
+    as_if_on_gpu.clear()
+    ptio.save(tmp_path / f"host{suffix}", host)
+    assert as_if_on_gpu == []
+    assert (tmp_path / f"device{suffix}").read_bytes() == (tmp_path / f"host{suffix}").read_bytes()
+    assert_bits_equal(ptio.load(tmp_path / f"device{suffix}", like=host), host)
+
+
+def test_a_whole_array_is_one_piece_taken_from_the_array_itself(as_if_on_gpu: list[Any]) -> None:
+    x = jnp.arange(4096 * 3, dtype=jnp.float32).reshape(4096, 3)
+    leaf = sharding.sharded_leaf(x, "x")
+    assert leaf is not None and leaf._whole
+    chunks = leaf.chunks()
+    data = b"".join(bytes(c.produce()) for c in chunks)
+    assert data == np.asarray(x).tobytes()
+    assert leaf._host is None  # released after the last band
+
+
+def test_cpu_arrays_and_numpy_stay_on_the_ordinary_path() -> None:
+    on_cpu = jax.device_put(jnp.ones(3), jax.devices("cpu")[0])  # a GPU machine has a CPU too
+    assert not sharding.on_accelerator(on_cpu)
+    assert not sharding.on_accelerator(np.ones(3))
+    assert sharding.sharded_leaf(on_cpu, "x") is None
+    sharding.start_host_copies({"a": on_cpu, "b": np.ones(2), "c": 1})  # nothing to start
+
+
+def test_save_async_of_accelerator_leaves(tmp_path: Path, as_if_on_gpu: list[Any]) -> None:
+    tree = _tree()
+    expected = _on_host(tree)
+    ptio.save_async(tmp_path / "a.safetensors", tree).result()
+    assert len(as_if_on_gpu) == 5
+    assert_bits_equal(ptio.load(tmp_path / "a.safetensors", like=expected), expected)
