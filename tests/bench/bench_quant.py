@@ -171,10 +171,10 @@ def main() -> None:
     assert np.array_equal(
         numpy_quantise(x, 255, True), quant.quantise(x, 255, "i16", round=True, transpose=True)
     )
-    # Device cases are timed in a group of their own, after the host ones: host kernels leave
-    # their worker threads spinning a while after each parallel loop, and on a many-core
-    # machine those starve the threads that dispatch and wait for device work (on an H100
-    # host, round-robin with them read the device kernel 7-15x slower than timed alone).
+    # Device cases are timed in a group of their own, after the host ones: round-robin with
+    # them, a sub-millisecond device kernel ran after 100+ ms of host work and read 7-15x
+    # slower on an H100 than back to back (most likely the GPU's clocks dropping while it
+    # idles between calls); grouped, each reads what the kernel does under steady load.
     host = {k: v for k, v in cases.items() if "device" not in k}
     best = best_of(host, args.repeats)
     device = {k: v for k, v in cases.items() if "device" in k}
