@@ -214,7 +214,9 @@ def sharded_leaf(x: Any, key: str) -> ShardedLeaf | None:
     them all before writing) and is awaited only when its bytes are written,
     so later transfers overlap earlier writes.
     """
-    if not (is_sharded(x) or on_accelerator(x)):
+    # In a save in parts an unsharded array is written by the primary alone, as ever:
+    # every process holds its own copy, and only one may write its bytes.
+    if not (is_sharded(x) or (on_accelerator(x) and _IN_PARTS.get() is None)):
         return None
     from . import keys
 

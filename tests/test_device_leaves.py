@@ -105,3 +105,17 @@ def test_save_async_of_accelerator_leaves(tmp_path: Path, as_if_on_gpu: list[Any
     ptio.save_async(tmp_path / "a.safetensors", tree).result()
     assert len(as_if_on_gpu) == 5
     assert_bits_equal(ptio.load(tmp_path / "a.safetensors", like=expected), expected)
+
+
+def test_save_in_parts_writes_accelerator_arrays_from_the_primary(
+    tmp_path: Path, as_if_on_gpu: list[Any]
+) -> None:
+    # each process holds its own copy of an unsharded array: only the primary writes it
+    from thread_group import run_threads
+
+    tree = _tree()
+    dest = tmp_path / "ckpt.safetensors"
+    results = run_threads(2, lambda c: sharding.save_in_parts(dest, tree, coordinator=c))
+    assert results == [None, None] and as_if_on_gpu == []
+    ptio.save(tmp_path / "plain.safetensors", _on_host(tree))
+    assert dest.read_bytes() == (tmp_path / "plain.safetensors").read_bytes()
