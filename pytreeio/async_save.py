@@ -156,6 +156,9 @@ def _snapshot(encoded: Encoded) -> Encoded:
     data are taken as it comes), each copied into the allocation and dropped
     before the next; ``late`` ones (a header recording checksums of the data
     before it) stay deferred and are produced by the write, after the rest.
+    ``owned`` ones (the chunks of an array on an accelerator, whose host copy
+    nothing writes to) are produced now and kept as they are: the
+    device-to-host transfer is the snapshot's only copy.
     The orbax handler takes its snapshots with this too.
     """
     if encoded.files is not None:
@@ -165,7 +168,7 @@ def _snapshot(encoded: Encoded) -> Encoded:
     sizes: list[int | None] = []
     views: list[memoryview | None] = []
     for c in encoded.chunks:
-        if type(c) is bytes or (isinstance(c, Deferred) and c.late):
+        if type(c) is bytes or (isinstance(c, Deferred) and (c.late or _owned(c))):
             sizes.append(None)
             views.append(None)
         elif isinstance(c, Deferred):
@@ -181,7 +184,7 @@ def _snapshot(encoded: Encoded) -> Encoded:
     pos = 0
     for chunk, size, view in zip(encoded.chunks, sizes, views):
         if size is None:
-            chunks.append(chunk)
+            chunks.append(_produced(chunk) if _owned(chunk) else chunk)
             continue
         if view is not None:
             copies.append((view, pos))
@@ -197,6 +200,20 @@ def _snapshot(encoded: Encoded) -> Encoded:
         pos += size
     _copy_into(store, copies)
     return Encoded(chunks=tuple(chunks), deferred=encoded.deferred, strict=encoded.strict)
+
+
+def _owned(chunk: Any) -> bool:
+    return isinstance(chunk, Deferred) and not chunk.late and getattr(chunk, "owned", False)
+
+
+def _produced(chunk: Deferred) -> memoryview:
+    """An owned chunk's bytes, produced now and kept."""
+    data = as_memoryview(chunk.produce())
+    if len(data) != chunk.nbytes:
+        raise EncodeError(
+            f"a deferred chunk produced {len(data)} bytes where {chunk.nbytes} were declared"
+        )
+    return data
 
 
 def _copy_into(store: np.ndarray, copies: list[tuple[memoryview, int]]) -> None:

@@ -231,18 +231,32 @@ class ShardChunk(Deferred):
 
     ``seen`` is called with the bytes when they are produced (checksums); a
     save in parts calls it with the bytes read back from the file instead.
+    ``owned``: the bytes produced are a host copy of device memory that
+    nothing writes to (jax's read-only copy of an accelerator array), so a
+    snapshot (``save_async``) may keep them instead of copying them again.
     """
 
     leaf: Any = None
     start: int = 0
     stop: int = 0
     seen: Callable[[np.ndarray], None] | None = None
+    owned: bool = False
 
 
 class ShardedLeaf(Streamed):
     """A sharded ``jax.Array`` as an encoder sees it: shape, dtype, nbytes and chunks of its bytes."""
 
-    __slots__ = ("_array", "_blocks", "_host", "_key", "_left", "_pieces", "_rows", "_whole")
+    __slots__ = (
+        "_array",
+        "_blocks",
+        "_host",
+        "_key",
+        "_left",
+        "_owned",
+        "_pieces",
+        "_rows",
+        "_whole",
+    )
 
     def __init__(self, array: Any, key: str = "") -> None:
         dtype = np.dtype(array.dtype)
@@ -277,6 +291,7 @@ class ShardedLeaf(Streamed):
         # one device holds it all: its host copy is the array's own (the one
         # start_host_copies began), not a second transfer through a shard's view
         self._whole = len(pieces) == 1 and len(array.sharding.device_set) == 1
+        self._owned = self._whole and _host_copy_is_private(array)
         if self._whole:  # started now, while the encoder goes on: awaited when written
             with contextlib.suppress(Exception):  # deleted or donated: reported when read
                 array.copy_to_host_async()
@@ -353,7 +368,17 @@ class ShardedLeaf(Streamed):
             lo, hi = max(b0, start), min(b1, stop)
             if lo < hi:
                 produce = _BandProducer(self, r0, r1, lo - b0, hi - b0, seen)
-                out.append(ShardChunk(hi - lo, produce, leaf=self, start=lo, stop=hi, seen=seen))
+                out.append(
+                    ShardChunk(
+                        hi - lo,
+                        produce,
+                        leaf=self,
+                        start=lo,
+                        stop=hi,
+                        seen=seen,
+                        owned=self._owned,
+                    )
+                )
         if not out:  # no bytes: still one chunk, so that checksums see the (empty) data
             produce = _BandProducer(self, 0, 0, 0, 0, seen)
             out.append(ShardChunk(0, produce, leaf=self, start=start, stop=start, seen=seen))
@@ -417,6 +442,14 @@ class _BandProducer:
             return data.data
         finally:
             self.leaf._produced()
+
+
+def _host_copy_is_private(array: Any) -> bool:
+    """Whether ``np.asarray(array)`` is a copy jax made and never writes (not a CPU device buffer).
+
+    A CPU array's host view is its device buffer, which a donation may reuse.
+    """
+    return all(d.platform != "cpu" for d in array.sharding.device_set)
 
 
 def _host_array(data: Any) -> np.ndarray:

@@ -119,3 +119,40 @@ def test_save_in_parts_writes_accelerator_arrays_from_the_primary(
     assert results == [None, None] and as_if_on_gpu == []
     ptio.save(tmp_path / "plain.safetensors", _on_host(tree))
     assert dest.read_bytes() == (tmp_path / "plain.safetensors").read_bytes()
+
+
+def test_a_snapshot_keeps_the_host_copies_of_accelerator_arrays(
+    tmp_path: Path, as_if_on_gpu: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # jax's host copy of an accelerator array is read-only: save_async's snapshot keeps it
+    # instead of copying it again (the transfer is the only copy)
+    from pytreeio import async_save
+    from pytreeio.fmt import safetensors as st
+
+    monkeypatch.setattr(sharding, "_host_copy_is_private", lambda array: True)
+    tree = _tree()
+    snap = async_save._snapshot(st.encode(tree))
+    kernel = np.asarray(tree["params"]["dense"]["kernel"])
+    kept = [
+        c
+        for c in snap.chunks
+        if isinstance(c, memoryview) and np.shares_memory(np.frombuffer(c, np.uint8), kernel)
+    ]
+    assert len(kept) == 1 and bytes(kept[0]) == kernel.tobytes()
+    ptio.save_async(tmp_path / "a.safetensors", tree).result()
+    ptio.save(tmp_path / "b.safetensors", _on_host(tree))
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def test_a_snapshot_copies_what_is_not_private(as_if_on_gpu: list[Any]) -> None:
+    # a CPU array's host view is its device buffer (a donation may reuse it): copied
+    from pytreeio import async_save
+    from pytreeio.fmt import safetensors as st
+
+    tree = jax.device_put(_tree(), jax.devices("cpu")[0])  # on the CPU on any machine
+    snap = async_save._snapshot(st.encode(tree))
+    kernel = np.asarray(tree["params"]["dense"]["kernel"])
+    assert not any(
+        isinstance(c, memoryview) and np.shares_memory(np.frombuffer(c, np.uint8), kernel)
+        for c in snap.chunks
+    )

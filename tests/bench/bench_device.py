@@ -74,8 +74,10 @@ def best_of(
     best = dict.fromkeys(cases, float("inf"))
     for fn in cases.values():
         fn(fresh())
+        ptio.wait_saves()
     for _ in range(repeats):
         for name, fn in cases.items():
+            ptio.wait_saves()  # a save_async case's write would run into the next case
             trees = fresh()
             t0 = time.perf_counter()
             fn(trees)
@@ -186,12 +188,12 @@ def async_cases(out: Path) -> dict[str, Case]:
     """``save_async``: the caller's blocking time and the whole save, safetensors and msgpack."""
     cases: dict[str, Case] = {}
     for fmt, suffix in (("safetensors", ".safetensors"), ("msgpack", ".msgpack")):
-        path = out / f"async{suffix}"
+        path, whole_path = out / f"async{suffix}", out / f"async-whole{suffix}"
 
         def blocking(trees: dict[str, Any], p: Path = path) -> None:
             ptio.save_async(p, trees["mlp"], durable=False)
 
-        def whole(trees: dict[str, Any], p: Path = path) -> None:
+        def whole(trees: dict[str, Any], p: Path = whole_path) -> None:
             ptio.save_async(p, trees["mlp"], durable=False).result()
 
         cases[f"save_async blocking ({fmt})"] = blocking
