@@ -288,8 +288,8 @@ class ShardedLeaf(Streamed):
                 key_path=key,
             )
         self._pieces = pieces
-        # one device holds it all: its host copy is the array's own (the one
-        # start_host_copies began), not a second transfer through a shard's view
+        # one device holds it all: its host copy is the array's own (started here,
+        # or by start_host_copies), not a second transfer through a shard's view
         self._whole = len(pieces) == 1 and len(array.sharding.device_set) == 1
         self._owned = self._whole and _host_copy_is_private(array)
         if self._whole:  # started now, while the encoder goes on: awaited when written
