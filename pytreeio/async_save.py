@@ -32,6 +32,7 @@ checkpoint (a failure then is printed to stderr, nobody being left to see it).
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import sys
 import threading
@@ -155,7 +156,7 @@ def _snapshot(encoded: Encoded) -> Encoded:
     arrays, so they are produced now, in file order (checksums of streamed
     data are taken as it comes), each copied into the allocation and dropped
     before the next; ``late`` ones (a header recording checksums of the data
-    before it) stay deferred and are produced by the write, after the rest.
+    before it) are produced last, before this returns, and written last.
     ``owned`` ones (the chunks of an array on an accelerator, whose host copy
     nothing writes to) are produced now and kept as they are: the
     device-to-host transfer is the snapshot's only copy.
@@ -199,7 +200,17 @@ def _snapshot(encoded: Encoded) -> Encoded:
         chunks.append(store.data[pos : pos + size])
         pos += size
     _copy_into(store, copies)
+    # Late chunks (headers recording checksums) are produced now too, once everything
+    # before them is: what they record may be computed from the caller's arrays (hashed
+    # on other threads while the snapshot copies them), which may change once this returns.
+    chunks = [_frozen(c) if isinstance(c, Deferred) and c.late else c for c in chunks]
     return Encoded(chunks=tuple(chunks), deferred=encoded.deferred, strict=encoded.strict)
+
+
+def _frozen(chunk: Deferred) -> Deferred:
+    """A late chunk with its bytes produced now (still written last, at its place)."""
+    data = bytes(as_memoryview(_produced(chunk)))
+    return Deferred(chunk.nbytes, functools.partial(bytes, data), late=True)
 
 
 def _owned(chunk: Any) -> bool:

@@ -52,7 +52,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ import numpy as np
 
 from . import io, jsonsafe
 from .errors import FormatError
+from .pools import LazyPool
 
 __all__ = [
     "ALGORITHM",
@@ -114,6 +115,47 @@ def array_checksum(arr: np.ndarray) -> str:
     # cost); others (bfloat16, float8) cannot, and are hashed through a byte view.
     data = arr if arr.dtype.isbuiltin == 1 else arr.reshape(-1).view(np.uint8)
     return f"{(_XXHASH or _xxhash()).xxh3_64_intdigest(data):016x}"
+
+
+#: Threads that hash tensors while a writer writes them (xxhash releases the GIL).
+_HASH_POOL = LazyPool("pytreeio-hash")
+#: Arrays are hashed in batches of about this many bytes (one job each).
+_HASH_BATCH = 4 << 20
+
+
+def checksums_in_background(
+    arrays: Sequence[tuple[str, np.ndarray]],
+) -> Callable[[], dict[str, str]]:
+    """Start hashing ``(name, array)`` pairs on every core; returns a function that waits for them.
+
+    For a writer that records checksums in a header written after the data
+    (safetensors): the arrays are hashed while their bytes are written instead
+    of before.  Arrays are batched into jobs of about :data:`_HASH_BATCH` bytes,
+    in order; the function returns ``{name: checksum}`` (the first failure
+    raises).  The caller must keep the arrays unchanged until it has waited.
+    """
+    batches: list[list[tuple[str, np.ndarray]]] = [[]]
+    size = 0
+    for name, arr in arrays:
+        if size >= _HASH_BATCH:
+            batches.append([])
+            size = 0
+        batches[-1].append((name, arr))
+        size += arr.nbytes
+
+    def job(batch: list[tuple[str, np.ndarray]]) -> list[tuple[str, str]]:
+        return [(name, array_checksum(arr)) for name, arr in batch]
+
+    pool = _HASH_POOL.get()
+    futures = [pool.submit(job, batch) for batch in batches if batch]
+
+    def wait() -> dict[str, str]:
+        out: dict[str, str] = {}
+        for f in futures:
+            out.update(f.result())
+        return out
+
+    return wait
 
 
 def file_checksum(path: str | os.PathLike[str]) -> tuple[int, str]:

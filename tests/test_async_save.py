@@ -394,3 +394,50 @@ def test_max_pending_bytes_is_checked(tmp_path: Path, bad: Any) -> None:
     with pytest.raises(ValueError, match="max_pending_bytes"):
         ptio.save_async(tmp_path / "a.msgpack", {"x": np.ones(3)}, max_pending_bytes=bad)
     assert not (tmp_path / "a.msgpack").exists()
+
+
+def _lazy_crc(chunks: Any) -> Any:
+    """crc32_start that hashes only when waited for: a pool that has not got to it yet."""
+    from pytreeio import crc
+
+    views = list(chunks)
+    return lambda: crc.crc32(b"".join(bytes(v) for v in views))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "dest"),
+    [
+        ("netcl-params", "params.npz"),
+        ("netcl-checkpoint", "ckpt"),
+        ("safetensors", "t.safetensors"),
+    ],
+)
+def test_checksums_taken_on_other_threads_are_of_the_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, dest: str
+) -> None:
+    # A header recording checksums is written after the data, the checksums taken on pool
+    # threads meanwhile. Such headers are made before save_async returns: hashed any later,
+    # they would hash arrays the caller has changed since (a file that fails its own check).
+    from pytreeio import checksum, crc
+    from pytreeio.fmt import safetensors as st
+
+    monkeypatch.setattr(crc, "crc32_start", _lazy_crc)
+    monkeypatch.setattr(st, "_HASH_WHILE_WRITING", 0)
+    real_background = checksum.checksums_in_background
+    monkeypatch.setattr(  # hashed only when waited for
+        checksum,
+        "checksums_in_background",
+        lambda arrays: lambda: {name: checksum.array_checksum(a) for name, a in arrays},
+    )
+    assert real_background is not checksum.checksums_in_background
+    monkeypatch.setattr("pytreeio.zip.OVERLAP_MIN", 0)  # every member hashed while written
+    kernel = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    tree = {"params": {"Dense_0": {"kernel": kernel, "bias": np.ones(48, np.float32)}}}
+    want = {"params": {"Dense_0": {k: np.array(v) for k, v in tree["params"]["Dense_0"].items()}}}
+    fut = ptio.save_async(tmp_path / dest, tree, format=fmt)
+    kernel[:] = -1.0  # the caller's arrays change once the call returns
+    fut.result()
+    options = {"verify": True} if fmt == "safetensors" else {}  # npz: CRC-32 checked anyway
+    back = ptio.load(tmp_path / dest, like=want, format=fmt, **options)
+    for key, value in ptio.flatten(want).items():
+        assert np.array_equal(ptio.flatten(back)[key], value), key

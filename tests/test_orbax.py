@@ -241,9 +241,11 @@ def test_prepare_takes_a_snapshot_the_caller_may_overwrite(tmp_path: Path) -> No
     np.testing.assert_array_equal(restored["w"], original)
 
 
-def test_snapshot_produces_deferred_chunks_now_and_late_ones_at_the_write(
+def test_snapshot_produces_deferred_chunks_now_then_late_ones_written_last(
     tmp_path: Path,
 ) -> None:
+    # a late chunk (a header recording checksums) may be computed from the caller's arrays:
+    # produced in the snapshot, after the rest, and written at its place after the data
     data = np.arange(4, dtype=np.uint8)
     order: list[str] = []
 
@@ -259,10 +261,10 @@ def test_snapshot_produces_deferred_chunks_now_and_late_ones_at_the_write(
         chunks=(Deferred(2, header, late=True), Deferred(4, shard), memoryview(data))
     )
     owned = async_save._snapshot(encoded)
-    assert order == ["shard"]
+    assert order == ["shard", "header"]
     data[:] = 9  # the caller moves on
     io.write_atomic(tmp_path / "f", owned, ptio.FILE)
-    assert order == ["shard", "header"]
+    assert order == ["shard", "header"]  # not produced again
     assert (tmp_path / "f").read_bytes() == b"HD" + bytes(range(4)) * 2
     with pytest.raises(EncodeError, match="declared"):
         async_save._snapshot(ptio.Encoded(chunks=(Deferred(3, shard),)))

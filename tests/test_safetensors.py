@@ -295,3 +295,24 @@ def test_repeated_json_keys_are_refused(header: str, tree: str) -> None:
     with pytest.raises(ptio.FormatError, match="duplicate"):
         fmt_st.slots(BufferSource(blob))
     assert fmt_st.decode(blob_of(_W, '{"leaf":"w"}')).tree.tolist() == [0.0]
+
+
+def test_hashing_while_writing_gives_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # large trees are hashed on other threads while written, the header last: same file
+    from pytreeio.registry import Deferred
+
+    rng = np.random.default_rng(4)
+    tree = {
+        "a": rng.standard_normal((300, 17)).astype(np.float32),
+        "b": {"c": np.arange(5, dtype=np.int64), "empty": np.zeros((0, 3), np.float16)},
+        "d": rng.standard_normal(33).astype(ml_dtypes.bfloat16),
+        "e": np.float64(2.5),
+        "f": [np.ones(7000, np.uint8), np.array(True)],
+    }
+    inline = fmt_st.encode(tree, meta={"x": 1})
+    assert not any(isinstance(c, Deferred) for c in inline.chunks)  # a small tree: header first
+    monkeypatch.setattr(fmt_st, "_HASH_WHILE_WRITING", 0)
+    monkeypatch.setattr("pytreeio.checksum._HASH_BATCH", 100)  # several jobs
+    encoded = fmt_st.encode(tree, meta={"x": 1})
+    assert any(isinstance(c, Deferred) and c.late for c in encoded.chunks)  # the header, last
+    assert encoded.tobytes() == inline.tobytes()

@@ -57,7 +57,7 @@ import json
 import keyword
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -308,9 +308,22 @@ def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, checksum: bool =
     }
     if meta:
         metadata[_META_KEY] = _meta_json(meta)
+    # Largest items first keeps every tensor aligned to its dtype (the header is 8-aligned);
+    # the sort is stable, so equal item sizes keep the tree's order.
+    sizes = [arr.dtype.itemsize for _, arr in tensors]
+    order = sorted(range(len(tensors)), key=sizes.__getitem__, reverse=True)
     streamed = any(isinstance(arr, Streamed) for _, arr in tensors)
     sums: dict[str, str] = {}
-    if checksum:
+    hashed: Callable[[], dict[str, str]] | None = None
+    if checksum and not streamed and sum(a.nbytes for _, a in tensors) >= _HASH_WHILE_WRITING:
+        from ..checksum import checksums_in_background
+
+        # Large trees are hashed on the other cores while the data is written, and the
+        # header, whose placeholders have the checksums' length, is written last.
+        in_memory = [(tensors[i][0], cast(np.ndarray, tensors[i][1])) for i in order]
+        hashed = checksums_in_background(in_memory)  # in the order they are written
+        sums = dict.fromkeys((name for name, _ in tensors), _PENDING)
+    elif checksum:
         from ..checksum import array_checksum
 
         # A streamed tensor is hashed when it is read; until then a placeholder of the
@@ -319,10 +332,6 @@ def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, checksum: bool =
             name: _PENDING if isinstance(arr, Streamed) else array_checksum(arr)
             for name, arr in tensors
         }
-    # Largest items first keeps every tensor aligned to its dtype (the header is 8-aligned);
-    # the sort is stable, so equal item sizes keep the tree's order.
-    sizes = [arr.dtype.itemsize for _, arr in tensors]
-    order = sorted(range(len(tensors)), key=sizes.__getitem__, reverse=True)
     # Each entry's JSON text, built once: the checksums alone change between a streamed
     # encoding's first and final header.
     dumps = json.encoder.encode_basestring  # what json.dumps(ensure_ascii=False) uses
@@ -352,8 +361,8 @@ def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, checksum: bool =
         return text
 
     text = header_text(sums)
-    if streamed:
-        return _streamed_encoding(col, order, text, sums if checksum else None, header_text)
+    if streamed or hashed is not None:
+        return _streamed_encoding(col, order, text, sums if checksum else None, header_text, hashed)
     # Small tensors are packed into one buffer with the header (one write for many
     # leaves); large ones are referenced in place.
     chunks: list[Any] = []
@@ -378,6 +387,8 @@ def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, checksum: bool =
 
 #: Tensors smaller than this are copied into one buffer with their neighbours.
 _PACK_BELOW = 4096
+#: Trees of at least this many tensor bytes are hashed while they are written.
+_HASH_WHILE_WRITING = 32 << 20
 
 
 def _streamed_encoding(
@@ -386,11 +397,14 @@ def _streamed_encoding(
     text: bytes,
     sums: dict[str, str] | None,
     header_text: Any,
+    hashed: Callable[[], dict[str, str]] | None = None,
 ) -> Encoded:
     """Chunks of a tree with :class:`Streamed` arrays: each read when written, the header last.
 
     With checksums, each streamed tensor is hashed as it is read and the header
-    (same length: every checksum has 16 hex digits) is written after the data.
+    (same length: every checksum has 16 hex digits) is written after the data;
+    ``hashed`` waits for the checksums of the in-memory arrays, hashed on other
+    threads while they are written.
     """
 
     def hasher(name: str) -> Any:
@@ -415,6 +429,8 @@ def _streamed_encoding(
     size = len(text)
 
     def header() -> bytes:
+        if hashed is not None and sums is not None:
+            sums.update(hashed())
         final = header_text(sums) if sums is not None else text
         if len(final) != size or (sums is not None and _PENDING in sums.values()):
             raise EncodeError("a streamed tensor was not read before the header was written")
