@@ -146,6 +146,19 @@ def test_pipeline_makes_at_most_depth_ahead(depth: int, workers: int) -> None:
     assert sorted(made) == list(range(40))  # each made once
 
 
+@pytest.mark.parametrize(
+    ("cores", "workers", "depth"), [(1, 1, 4), (2, 1, 4), (3, 2, 8), (16, 4, 8)]
+)
+def test_pipeline_defaults_scale_with_the_cores_within_a_memory_bound(
+    monkeypatch: pytest.MonkeyPatch, cores: int, workers: int, depth: int
+) -> None:
+    # one maker per core but the writer's (at most 4), and at most 8 buffers made ahead
+    monkeypatch.setattr(transpose, "threads", lambda: cores)
+    p = transpose.Pipeline([lambda: 0] * 20)
+    assert (p._workers, p._depth) == (workers, depth)
+    assert [p.take(i) for i in range(20)] == [0] * 20
+
+
 def test_pipeline_error_comes_out_at_its_band() -> None:
     def bad() -> int:
         raise OSError("disk")
