@@ -37,17 +37,21 @@ import os
 import sys
 import threading
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as _wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import io, sharding
 from .binary import as_memoryview
 from .errors import EncodeError
+from .pools import new_pool
 from .registry import Deferred, Encoded, Format
+
+if TYPE_CHECKING:  # not at run time: the module cannot be imported once the interpreter exits
+    from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["SaveFuture", "save_async", "wait_saves", "wait_for"]
 
@@ -103,7 +107,7 @@ def _get_executor() -> ThreadPoolExecutor:
     global _executor
     with _lock:
         if _executor is None:
-            _executor = ThreadPoolExecutor(_WORKERS, thread_name_prefix="pytreeio-save")
+            _executor = new_pool(_WORKERS, "pytreeio-save")
         return _executor
 
 

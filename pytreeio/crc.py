@@ -17,11 +17,13 @@ from __future__ import annotations
 import functools
 import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .binary import Buffer, as_memoryview
 from .pools import LazyPool, cores
+
+if TYPE_CHECKING:  # not at run time: the module cannot be imported once the interpreter exits
+    from concurrent.futures import ThreadPoolExecutor
 
 __all__ = [
     "crc32",

@@ -315,9 +315,9 @@ class Checkpoint(Mapping[str, Any]):
         large = [s for s in slots if s.reader is None and s.nbytes >= _PARALLEL_SLOT_BYTES]
         done: dict[int, Any] = {}
         if len(large) > 1:
-            from concurrent.futures import ThreadPoolExecutor  # only when reading in parallel
+            from .pools import new_pool
 
-            with ThreadPoolExecutor(min(_PARALLEL_SLOTS, len(large))) as pool:
+            with new_pool(min(_PARALLEL_SLOTS, len(large))) as pool:
                 for slot, arr in zip(large, pool.map(self._read, large), strict=True):
                     done[id(slot)] = arr
         for slot in slots:

@@ -5,19 +5,88 @@ Each pool (copies and transposes, CRC hashes, parallel reads) is a
 A forked child inherits a pool object but none of its threads, so jobs sent
 to it would wait forever: every pool forgets itself after a fork and the
 child's first job starts a new one.
+
+Every pool comes from :func:`new_pool`: once the interpreter has begun to exit (an
+``atexit`` handler that saves a last checkpoint), ``concurrent.futures``
+takes no new jobs and starts no threads, so a job submitted then runs at
+once on the submitting thread instead of failing.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+__all__ = ["LazyPool", "cores", "exiting", "new_pool"]
+
+
+def exiting() -> bool:
+    """Whether the interpreter has begun to exit (``concurrent.futures`` takes no new jobs)."""
+    futures_thread = sys.modules.get("concurrent.futures.thread")
+    return bool(
+        getattr(futures_thread, "_shutdown", False) or getattr(threading, "_SHUTTING_DOWN", False)
+    )
+
+
+def new_pool(workers: int, prefix: str = "") -> ThreadPoolExecutor:
+    """A ``ThreadPoolExecutor`` whose jobs run on the caller's thread once the interpreter exits.
+
+    Made while the interpreter exits (``concurrent.futures.thread`` can no
+    longer even be imported then), it is an :class:`_Inline` executor.
+    """
+    if exiting():
+        return _inline_class()()  # type: ignore[return-value]
+    return _pool_class()(workers, thread_name_prefix=prefix)
+
+
+def _run_now(fn: Callable[..., Any], args: Any, kwargs: Any) -> Future[Any]:
+    from concurrent.futures import Future  # concurrent.futures._base: importable at exit
+
+    done: Future[Any] = Future()
+    try:
+        done.set_result(fn(*args, **kwargs))
+    except BaseException as exc:  # delivered through the future, as a pool would
+        done.set_exception(exc)
+    return done
+
+
+@cache
+def _pool_class() -> type[ThreadPoolExecutor]:
+    # concurrent.futures (and the logging it imports) loads on the first pool, not at import
     from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["LazyPool", "cores"]
+    class Pool(ThreadPoolExecutor):
+        def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+            if not exiting():
+                try:
+                    return super().submit(fn, *args, **kwargs)
+                except RuntimeError:
+                    if not exiting():  # not the interpreter's exit: a real error
+                        raise
+            return _run_now(fn, args, kwargs)
+
+    return Pool
+
+
+@cache
+def _inline_class() -> type:
+    from concurrent.futures import Executor
+
+    class _Inline(Executor):
+        """Runs every job at once on the submitting thread (the interpreter is exiting)."""
+
+        def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+            return _run_now(fn, args, kwargs)
+
+    return _Inline
+
 
 #: Per-core pools stop growing here: beyond it more threads only contend for memory bandwidth.
 MAX_THREADS = 8
@@ -46,9 +115,9 @@ class LazyPool:
     def get(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._pool = ThreadPoolExecutor(self._size(), thread_name_prefix=self._prefix)
+                if exiting():  # no threads start now: jobs run on the caller's thread
+                    return new_pool(1)
+                self._pool = new_pool(self._size(), self._prefix)
             return self._pool
 
     def _forget(self) -> None:

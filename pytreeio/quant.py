@@ -84,15 +84,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import dtypes, quant_host
 from .errors import QuantisationError
+from .pools import new_pool
 from .transpose import copy_transposed
+
+if TYPE_CHECKING:  # not at run time: the module cannot be imported once the interpreter exits
+    from concurrent.futures import ThreadPoolExecutor
 
 __all__ = [
     "transpose",
@@ -442,7 +446,7 @@ _async_runner: ThreadPoolExecutor | None = None
 def _runner() -> ThreadPoolExecutor:
     global _async_runner
     if _async_runner is None:
-        _async_runner = ThreadPoolExecutor(1, thread_name_prefix="pytreeio-quant")
+        _async_runner = new_pool(1, "pytreeio-quant")
     return _async_runner
 
 

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import kernels
 from .pools import LazyPool, cores
+
+if TYPE_CHECKING:  # not at run time: the module cannot be imported once the interpreter exits
+    from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["copy_transposed", "pool", "threads", "Pipeline"]
 
