@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from .pools import start_daemon
+
 __all__ = [
     "MIN_BYTES",
     "available",
@@ -108,9 +110,12 @@ def ready(timeout: float | None = None) -> bool:
 def _warm_up() -> None:
     global _warming
     with _lock:
-        if _warming is None:
-            _warming = threading.Thread(target=_load_and_run, name="pytreeio-kernels", daemon=True)
-            _warming.start()
+        if _warming is not None:
+            return
+        _warming = start_daemon(_load_and_run, "pytreeio-kernels")
+        started = _warming is not None
+    if not started:  # the interpreter is exiting (no new threads): loaded on this one
+        _load_and_run()
 
 
 def _load_and_run() -> None:

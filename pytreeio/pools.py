@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from concurrent.futures import Future, ThreadPoolExecutor
 
-__all__ = ["LazyPool", "cores", "exiting", "new_pool"]
+__all__ = ["LazyPool", "cores", "exiting", "new_pool", "start_daemon"]
 
 
 def exiting() -> bool:
@@ -33,6 +33,24 @@ def exiting() -> bool:
     return bool(
         getattr(futures_thread, "_shutdown", False) or getattr(threading, "_SHUTTING_DOWN", False)
     )
+
+
+def start_daemon(target: Callable[..., Any], name: str, *args: Any) -> threading.Thread | None:
+    """A started daemon thread running ``target(*args)``, or None once the interpreter exits.
+
+    Python 3.12 refuses new threads from ``atexit`` handlers; callers then do
+    the work on their own thread.
+    """
+    if exiting():
+        return None
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:
+        if not exiting() and not sys.is_finalizing():
+            raise
+        return None
+    return thread
 
 
 def new_pool(workers: int, prefix: str = "") -> ThreadPoolExecutor:

@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from . import kernels
+from .pools import start_daemon
 from .transpose import copy_transposed, pool, threads
 
 __all__ = ["BLOCK", "quantise", "min_max", "BandJob", "Bands"]
@@ -526,8 +527,9 @@ class Bands:
             return
         self._started = True
         state = self._state
-        threading.Thread(target=_produce, args=(state,), name="pytreeio-bands", daemon=True).start()
-        weakref.finalize(self, _close, state)
+        # no thread once the interpreter exits: the taker then computes every band itself
+        if start_daemon(_produce, "pytreeio-bands", state) is not None:
+            weakref.finalize(self, _close, state)
 
     def take(self, b: int) -> np.ndarray:
         """Band ``b``'s bytes (uint8); the buffer is reused once the caller drops it."""

@@ -90,3 +90,19 @@ def test_pools_run_jobs_on_the_caller_once_exiting(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ZeroDivisionError):
         failed.result()
     assert lazy._pool is None  # nothing kept: a pool made before the exit is used as ever
+
+
+def test_bands_without_a_producer_thread_are_computed_by_the_taker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Python 3.12 starts no thread from an atexit handler: the writer computes every band
+    from pytreeio import pools, quant_host
+
+    monkeypatch.setattr(pools, "exiting", lambda: True)
+    assert pools.start_daemon(lambda: None, "pytreeio-test") is None
+    x = np.random.default_rng(2).uniform(-100, 100, (300, 70)).astype(np.float32)
+    want = quant_host.quantise(x, 255, np.dtype("<i2"), round_=True, checked=True)[0]
+    jobs = [quant_host.BandJob(x, 255, np.dtype("<i2"), True, False)]
+    bands = quant_host.Bands(jobs, band_bytes=4096, ahead_bytes=8192)
+    got = b"".join(bytes(bands.take(b)) for b in bands.of_job[0])
+    assert got == want.tobytes()
