@@ -46,7 +46,6 @@ import numpy as np
 
 from . import io, sharding
 from .binary import as_memoryview
-from .errors import EncodeError
 from .pools import new_pool
 from .registry import Deferred, Encoded, Format
 
@@ -189,16 +188,12 @@ def _snapshot(encoded: Encoded) -> Encoded:
     pos = 0
     for chunk, size, view in zip(encoded.chunks, sizes, views):
         if size is None:
-            chunks.append(_produced(chunk) if _owned(chunk) else chunk)
+            chunks.append(as_memoryview(io._produced(chunk)) if _owned(chunk) else chunk)
             continue
         if view is not None:
             copies.append((view, pos))
         else:  # a Deferred: its bytes now, then they go
-            data = as_memoryview(chunk.produce())
-            if len(data) != size:
-                raise EncodeError(
-                    f"a deferred chunk produced {len(data)} bytes where {size} were declared"
-                )
+            data = as_memoryview(io._produced(chunk))  # checked against its declared size
             store[pos : pos + size] = np.frombuffer(data, dtype=np.uint8)
             del data
         chunks.append(store.data[pos : pos + size])
@@ -213,22 +208,13 @@ def _snapshot(encoded: Encoded) -> Encoded:
 
 def _frozen(chunk: Deferred) -> Deferred:
     """A late chunk with its bytes produced now (still written last, at its place)."""
-    data = bytes(as_memoryview(_produced(chunk)))
+    data = bytes(as_memoryview(io._produced(chunk)))
     return Deferred(chunk.nbytes, functools.partial(bytes, data), late=True)
 
 
 def _owned(chunk: Any) -> bool:
-    return isinstance(chunk, Deferred) and not chunk.late and getattr(chunk, "owned", False)
-
-
-def _produced(chunk: Deferred) -> memoryview:
-    """An owned chunk's bytes, produced now and kept."""
-    data = as_memoryview(chunk.produce())
-    if len(data) != chunk.nbytes:
-        raise EncodeError(
-            f"a deferred chunk produced {len(data)} bytes where {chunk.nbytes} were declared"
-        )
-    return data
+    """A chunk of jax's read-only host copy of an accelerator array: kept, not copied."""
+    return isinstance(chunk, sharding.ShardChunk) and chunk.owned and not chunk.late
 
 
 def _copy_into(store: np.ndarray, copies: list[tuple[memoryview, int]]) -> None:

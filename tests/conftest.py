@@ -66,6 +66,24 @@ def conformance() -> Path:
 # --------------------------------------------------------------------------
 
 
+def assert_same_tree(a: Any, b: Any) -> None:
+    """Strictly the same tree: exact container and leaf types, dict key order, array bytes.
+
+    Stricter than :func:`assert_bits_equal` (which lets dict keys come in another
+    order): for fast paths that must return what the general one returns.
+    """
+    assert type(a) is type(b), f"{type(a)} != {type(b)}"
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same_tree(a[k], b[k])
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.tobytes() == b.tobytes()
+    else:
+        assert a == b
+
+
 def assert_bits_equal(a: Any, b: Any, path: str = "") -> None:
     """Same structure (container types, keys, order of sequences) and identical bytes in every leaf."""
     if (

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import assert_same_tree
 
 import pytreeio as ptio
 from pytreeio.errors import FormatError
@@ -37,16 +38,6 @@ def _general(data: bytes, monkeypatch: pytest.MonkeyPatch) -> Any:
         return st.decode(data).tree
 
 
-def _same(a: Any, b: Any) -> None:
-    assert type(a) is type(b)
-    if isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            _same(a[k], b[k])
-    else:
-        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-
-
 def _arr(i: int, dt: Any = np.float32) -> np.ndarray:
     return np.full(2, i, dt)
 
@@ -66,7 +57,7 @@ PUNCTUATED = {
 def test_punctuated_keys_take_the_fast_path_and_match(monkeypatch: pytest.MonkeyPatch) -> None:
     data = _encoded(PUNCTUATED)
     assert _taken(data)
-    _same(st.decode(data).tree, _general(data, monkeypatch))
+    assert_same_tree(st.decode(data).tree, _general(data, monkeypatch))
 
 
 @pytest.mark.parametrize("leaves", [1, 2, 3, 50])
@@ -91,7 +82,7 @@ def test_shapes_of_nesting_match_the_rebuild(
     data = _encoded(tree)
     if tree:
         assert _taken(data)
-    _same(st.decode(data).tree, _general(data, monkeypatch))
+    assert_same_tree(st.decode(data).tree, _general(data, monkeypatch))
 
 
 def _blob(names: list[str], doc: Any) -> bytes:
@@ -172,4 +163,4 @@ def test_both_writers_of_the_compact_text_agree(
         monkeypatch.setattr(st, "_ORJSON", [None])
     data = _encoded(PUNCTUATED)
     assert _taken(data)
-    _same(st.decode(data).tree, _general(data, monkeypatch))
+    assert_same_tree(st.decode(data).tree, _general(data, monkeypatch))

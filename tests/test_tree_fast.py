@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import assert_same_tree
 
 from pytreeio import restore_fast, tree
 from pytreeio.errors import MismatchError
@@ -59,27 +60,13 @@ def _copy(x: Any) -> Any:
     return np.array(x, copy=True) if isinstance(x, np.ndarray) else x
 
 
-def _assert_same(a: Any, b: Any) -> None:
-    """Same structure, key order, leaf types and bytes."""
-    assert type(a) is type(b)
-    if isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            _assert_same(a[k], b[k])
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert a.tobytes() == b.tobytes()
-    else:
-        assert a == b
-
-
 def test_matching_tree_is_returned_as_is(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     like = _params()
     native = _copy(like)
     assert restore_fast.same_plain_tree(native, like)
     out = tree.restore(native, like)
     assert out is native
-    _assert_same(out, _general(_copy(like), like, monkeypatch))
+    assert_same_tree(out, _general(_copy(like), like, monkeypatch))
 
 
 def test_empty_trees(backend: str) -> None:
