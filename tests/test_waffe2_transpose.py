@@ -236,3 +236,41 @@ def test_waffe2_decode_reads_ahead_and_reports_in_order(tmp_path: Path) -> None:
     with pytest.raises(ptio.errors.FormatError) as info:
         ptio.load(dest, format="waffe2")
     assert "param:linearlayer.2.bias.npy" in str(info.value)
+
+
+def test_waffe2_band_buffers_are_recycled_and_bands_stay_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Bands of 800 bytes at most, whole rows of the transposed kernels: 5 rows of 160 bytes
+    # for the first, 8 of 92 for the second (a recycled buffer is then larger than the band),
+    # each kernel's last band short: a consumer producing chunk after chunk, as io does,
+    # gets each band's exact bytes while the pipeline reuses a bounded set of buffers.
+    monkeypatch.setattr(waffe2, "_BAND_BYTES", 5 * 4 * 40)
+    params = {
+        "params": {
+            "Dense_0": {"kernel": _random((40, 23), "<f4", 1), "bias": _random((23,), "<f4", 2)},
+            "Dense_1": {"kernel": _random((23, 61), "<f4", 3), "bias": _random((61,), "<f4", 4)},
+        }
+    }
+    encoded = ptio.encode(params, format="waffe2", layers=["Linear", "Linear"])
+    assert encoded.files is not None
+    addresses: set[int] = set()
+    held = []  # kept alive: no allocator could hand their memory out again
+    bands = 0
+    for i in range(2):
+        kernel = params["params"][f"Dense_{i}"]["kernel"]
+        chunks = encoded.files[f"param:linearlayer.{i}.weights.npy"].chunks
+        got = []
+        for c in chunks[1:]:  # after the .npy header: the bands, in order
+            assert isinstance(c, ptio.registry.Deferred)
+            data = np.asarray(c.produce())
+            assert data.nbytes == c.nbytes
+            addresses.add(data.ctypes.data)
+            held.append(data)
+            got.append(data.tobytes())  # the consumer is done with it before the next
+            bands += 1
+        assert b"".join(got) == np.ascontiguousarray(kernel.T).tobytes()
+        # a band produced again (an encoding written twice) is still right
+        assert np.asarray(chunks[1].produce()).tobytes() == got[0]
+    assert bands == 5 + 8  # ceil(23 / 5) + ceil(61 / 8)
+    assert len(addresses) < bands  # buffers were reused, not one fresh allocation per band

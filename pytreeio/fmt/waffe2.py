@@ -84,6 +84,7 @@ import hashlib
 import json
 import math
 import re
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -627,31 +628,62 @@ class _Bands:
 
     Bands are numbered in file order; :class:`~pytreeio.transpose.Pipeline`
     copies the next ones on the other cores while the writer writes one, so
-    at most ``cores + 1`` bands exist at a time.
+    at most ``cores + 1`` bands exist at a time.  Their buffers are recycled:
+    a consumer of :class:`~pytreeio.registry.Deferred` chunks is done with one
+    chunk's bytes when it asks for the next, so the band given out before is
+    free for a band still to be made.  (A fresh buffer per band costs its page
+    faults and the kernel's zeroing of every page: measured 3.6 against
+    4.6 GB/s per core for the copies of 4 MiB bands.)
     """
 
     def __init__(self) -> None:
         self.makers: list[Any] = []
         self._pipeline: Any = None
+        self._free: list[np.ndarray] = []  # byte buffers no band uses
+        self._given: np.ndarray | None = None  # the buffer the consumer has now
+        self._lock = threading.Lock()
 
     def add(self, part: np.ndarray) -> Deferred:
         from ..transpose import copy_transposed
 
         def make() -> Any:
-            out = np.empty(part.shape, part.dtype)
-            copy_transposed(part, out, parallel=False)
-            return out.reshape(-1).view(np.uint8)
+            store = self._buffer(part.nbytes)
+            out = store[: part.nbytes].view(part.dtype).reshape(part.shape)
+            try:
+                copy_transposed(part, out, parallel=False)
+            except BaseException:
+                self._release(store)
+                raise
+            return store
 
         index = len(self.makers)
         self.makers.append(make)
-        return Deferred(part.nbytes, lambda: self._take(index))
+        return Deferred(part.nbytes, lambda: self._take(index, part.nbytes))
 
-    def _take(self, index: int) -> Any:
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        """A free buffer of at least ``nbytes`` (a new one when none is)."""
+        with self._lock:
+            for i, store in enumerate(self._free):
+                if store.nbytes >= nbytes:
+                    return self._free.pop(i)
+        # uninitialised: the copy writes every byte the band is given
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def _release(self, store: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(store)
+
+    def _take(self, index: int, nbytes: int) -> Any:
         if self._pipeline is None:
             from ..transpose import Pipeline
 
             self._pipeline = Pipeline(self.makers)
-        return self._pipeline.take(index)
+        given, self._given = self._given, None
+        if given is not None:  # the consumer is done with the band it had
+            self._release(given)
+        store = self._pipeline.take(index)
+        self._given = store
+        return store[:nbytes]
 
 
 def _npy_chunks(arr: np.ndarray, bands: _Bands) -> tuple[Any, ...]:
