@@ -456,9 +456,9 @@ class Deferred:
     ``produce()`` returns exactly ``nbytes`` bytes (any buffer); :mod:`pytreeio.io`
     calls it once, writes the result and drops it before the next chunk, so an
     encoding of :class:`Streamed` arrays holds at most one of them at a time.
-    Every consumer must be done with a result before it produces the next
-    chunk of the same encoding: an encoder may reuse the buffer (cl-waffe2's
-    and bullet's bands do).  A
+    A consumer must be done with a result before the same thread produces the
+    next chunk of the same encoding: an encoder may then reuse the buffer
+    (cl-waffe2's bands do; bullet's once any next band is taken).  A
     ``late`` chunk (a header recording checksums of the data behind it) is
     produced after every other chunk of its file and written at its place.
     """

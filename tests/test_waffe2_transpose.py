@@ -274,3 +274,33 @@ def test_waffe2_band_buffers_are_recycled_and_bands_stay_exact(
         assert np.asarray(chunks[1].produce()).tobytes() == got[0]
     assert bands == 5 + 8  # ceil(23 / 5) + ceil(61 / 8)
     assert len(addresses) < bands  # buffers were reused, not one fresh allocation per band
+
+
+def test_waffe2_bands_of_two_files_consumed_at_once_by_two_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two consumers (a thread each) writing one file each: the band one of them still holds
+    # is never recycled when the other moves on, even when the other then has a band made
+    # on demand (taken again) from the free buffers.
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(waffe2, "_BAND_BYTES", 4 * 4 * 64)
+    kernels = [_random((64, 64), "<f4", i) for i in range(2)]
+    params = {
+        "params": {
+            f"Dense_{i}": {"kernel": k, "bias": _random((64,), "<f4")}
+            for i, k in enumerate(kernels)
+        }
+    }
+    encoded = ptio.encode(params, format="waffe2", layers=["Linear", "Linear"])
+    assert encoded.files is not None
+    a, b = (encoded.files[f"param:linearlayer.{i}.weights.npy"].chunks[1:] for i in range(2))
+    expected_b0 = np.ascontiguousarray(kernels[1].T)[:4].tobytes()
+    with ThreadPoolExecutor(1) as first, ThreadPoolExecutor(1) as second:
+        first.submit(a[0].produce).result()
+        held = second.submit(b[0].produce).result()  # the second consumer keeps this one
+        assert np.asarray(held).tobytes() == expected_b0
+        first.submit(a[1].produce).result()  # the first moves on: only its own band is free
+        again = first.submit(a[1].produce).result()  # made again, from the free buffers
+        assert np.asarray(again).tobytes() == np.ascontiguousarray(kernels[0].T)[4:8].tobytes()
+        assert np.asarray(held).tobytes() == expected_b0
