@@ -56,7 +56,7 @@ import msgpack
 import numpy as np
 
 from .. import dtypes, keys, nnx, sharding
-from ..binary import ByteSource, Reader, Writer, check_shape
+from ..binary import ByteSource, Reader, Writer, as_memoryview, check_shape
 from ..errors import EncodeError, FormatError
 from ..registry import (
     FILE,
@@ -72,6 +72,7 @@ from ..registry import (
     register,
 )
 from ..tree import is_jax_array, is_namedtuple, key_string, namedtuple_fields
+from . import msgpack_plans
 
 __all__ = ["FORMAT", "encode", "decode", "inspect", "sniff", "MAX_CHUNK_BYTES"]
 
@@ -987,8 +988,17 @@ def _parse(
 
 
 def decode(buffer: Any) -> Decoded:
-    """The state dict in ``buffer`` (arrays are views of it), as ``flax.serialization.msgpack_restore`` gives it."""
-    tree, _ = _parse(buffer, skip_data=False)
+    """The state dict in ``buffer`` (arrays are views of it), as ``flax.serialization.msgpack_restore`` gives it.
+
+    A buffer whose bytes outside the array payloads equal those of a state
+    dict parsed before is rebuilt from that parse's plan
+    (:mod:`pytreeio.fmt.msgpack_plans`), without walking the framing again.
+    """
+    view = as_memoryview(buffer)
+    tree = msgpack_plans.replay(view)
+    if tree is None:
+        tree, _ = _parse(view, skip_data=False)
+        msgpack_plans.learn(view, tree)
     return Decoded(tree, {})
 
 

@@ -1,0 +1,175 @@
+"""msgpack loads replayed from a plan give exactly what the parser gives, and only on an exact skeleton.
+
+:mod:`pytreeio.fmt.msgpack_plans` rebuilds a state dict whose bytes outside
+the array payloads equal those of one parsed before.  Every test compares a
+replayed tree with the parser's own result for the same bytes (structure,
+key order, dtypes, shapes, values, flags), and checks that any byte of the
+skeleton that differs sends the buffer to the parser.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pytreeio as ptio
+from pytreeio.errors import FormatError
+from pytreeio.fmt import msgpack, msgpack_plans
+
+
+@pytest.fixture(autouse=True)
+def no_plans(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(msgpack_plans, "_PLANS", [])
+    yield
+
+
+def _tree(seed: int = 0, step: int = 7) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    layers = {
+        f"Dense_{i}": {
+            "kernel": rng.standard_normal((3 + i % 4, 5), dtype=np.float32),
+            "bias": rng.standard_normal(5).astype(np.float64 if i % 3 else np.float16),
+        }
+        for i in range(20)
+    }
+    layers["Embed_0"] = {"embedding": rng.standard_normal((4, 2, 3)).astype(ml_dtypes.bfloat16)}
+    layers["counts"] = {"n": np.array(3, dtype=np.int64), "mask": rng.random(6) > 0.5}
+    return {"params": layers, "step": step, "name": "run-1", "lr": 0.5, "none": None}
+
+
+def _encoded(tree: Any) -> bytes:
+    return ptio.encode(tree, format="msgpack").tobytes()
+
+
+def _parsed(data: bytes) -> Any:
+    tree, _ = msgpack._parse(memoryview(bytearray(data)), skip_data=False)
+    return tree
+
+
+def _assert_identical(got: Any, want: Any) -> None:
+    assert type(got) is type(want)
+    if isinstance(want, dict):
+        assert list(got) == list(want)  # the same keys in the same order
+        for k in want:
+            _assert_identical(got[k], want[k])
+    elif isinstance(want, np.ndarray):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.flags.writeable == want.flags.writeable
+        assert got.tobytes() == want.tobytes()
+    else:
+        assert got == want or (got is None and want is None)
+
+
+def _decode(data: bytes) -> Any:
+    return msgpack.decode(memoryview(bytearray(data))).tree
+
+
+def test_second_decode_is_replayed_and_identical_to_the_parse(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data = _encoded(_tree())
+    first = _decode(data)
+    assert len(msgpack_plans._PLANS) == 1  # learnt from the first parse
+    calls = []
+    parse = msgpack._parse
+    monkeypatch.setattr(msgpack, "_parse", lambda *a, **k: calls.append(1) or parse(*a, **k))
+    second = _decode(data)
+    assert not calls  # replayed, not parsed
+    _assert_identical(second, _parsed(data))
+    _assert_identical(second, first)
+
+
+def test_other_values_same_structure_are_replayed_with_the_new_values() -> None:
+    _decode(_encoded(_tree(seed=0)))
+    data = _encoded(_tree(seed=1))
+    assert msgpack_plans.replay(memoryview(bytearray(data))) is not None
+    _assert_identical(_decode(data), _parsed(data))
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        _tree(step=8),  # a scalar in the skeleton
+        {**_tree(), "name": "run-2"},  # a string of the same length
+        {**_tree(), "none": 0},  # None and 0 are one byte each
+    ],
+)
+def test_a_different_skeleton_byte_is_parsed(other: dict[str, Any]) -> None:
+    _decode(_encoded(_tree()))
+    data = _encoded(other)
+    assert len(data) == len(_encoded(_tree()))  # same length: only the bytes tell
+    assert msgpack_plans.replay(memoryview(bytearray(data))) is None
+    _assert_identical(_decode(data), _parsed(data))
+
+
+def test_every_single_skeleton_byte_flip_is_parsed_or_refused() -> None:
+    data = _encoded(_tree())
+    _decode(data)
+    plan = msgpack_plans._PLANS[0]
+    rng = np.random.default_rng(0)
+    for pos in rng.choice(plan.positions, size=200, replace=False):
+        bad = bytearray(data)
+        bad[int(pos)] ^= 0x5A
+        assert msgpack_plans.replay(memoryview(bad)) is None
+        try:
+            want = _parsed(bytes(bad))
+        except FormatError:
+            with pytest.raises(FormatError):
+                _decode(bytes(bad))
+        else:
+            _assert_identical(_decode(bytes(bad)), want)
+
+
+def test_payload_bytes_are_data_only() -> None:
+    data = bytearray(_encoded(_tree()))
+    _decode(bytes(data))
+    plan = msgpack_plans._PLANS[0]
+    payload = np.setdiff1d(np.arange(len(data)), plan.positions)
+    data[int(payload[0])] ^= 0xFF
+    _assert_identical(_decode(bytes(data)), _parsed(bytes(data)))
+
+
+def test_replayed_containers_are_fresh() -> None:
+    data = _encoded(_tree())
+    _decode(data)
+    a = _decode(data)
+    a["params"].clear()
+    a["step"] = -1
+    b = _decode(data)
+    assert b["step"] == 7 and "Dense_0" in b["params"]
+
+
+def test_small_and_non_plain_trees_are_not_learnt() -> None:
+    small = {
+        "params": {f"w{i}": np.ones(3, np.float32) for i in range(msgpack_plans.MIN_LEAVES - 1)}
+    }
+    _decode(_encoded(small))
+    with_empty = {**_tree(), "empty": np.zeros((0, 3), np.float32)}  # no offset of its own
+    _decode(_encoded(with_empty))
+    assert msgpack_plans._PLANS == []
+    # a list is stored as flax does, a map keyed '0'..'n-1': a plain tree, learnt
+    with_list = {**_tree(), "history": [1, 2, 3]}
+    _decode(_encoded(with_list))
+    assert len(msgpack_plans._PLANS) == 1
+    # and each decodes as the parser does, replayed or not
+    for tree in (small, with_list, with_empty):
+        data = _encoded(tree)
+        _assert_identical(_decode(data), _parsed(data))
+
+
+def test_plans_are_bounded_and_loads_through_the_api_use_them(tmp_path: Any) -> None:
+    for n in range(msgpack_plans.MAX_PLANS + 2):
+        tree = _tree()
+        tree["params"][f"extra_{n}"] = {"w": np.ones(n + 1, np.float32)}  # another length each
+        _decode(_encoded(tree))
+    assert len(msgpack_plans._PLANS) == msgpack_plans.MAX_PLANS
+    path = tmp_path / "t.msgpack"
+    tree = _tree(seed=3)
+    ptio.save(path, tree, format="msgpack")
+    ptio.load(path)
+    again = ptio.load(path, like=tree)
+    _assert_identical(again, _parsed(path.read_bytes()))
