@@ -173,3 +173,19 @@ def test_plans_are_bounded_and_loads_through_the_api_use_them(tmp_path: Any) -> 
     ptio.load(path)
     again = ptio.load(path, like=tree)
     _assert_identical(again, _parsed(path.read_bytes()))
+
+
+def test_learning_allocates_nothing_file_sized() -> None:
+    # 40 leaves of 1 MiB: the plan is the skeleton (a few KB), never a mask of the file
+    import tracemalloc
+
+    tree = {"params": {f"w{i}": np.full(1 << 18, i, np.float32) for i in range(40)}}
+    data = memoryview(bytearray(_encoded(tree)))
+    tracemalloc.start()
+    try:
+        msgpack.decode(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(msgpack_plans._PLANS) == 1
+    assert peak < (1 << 20), peak  # the file is 40 MiB

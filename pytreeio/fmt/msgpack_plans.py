@@ -31,8 +31,9 @@ __all__ = ["Plan", "learn", "replay"]
 
 #: Trees with fewer array leaves parse fast enough: no plan.
 MIN_LEAVES = 32
-#: Skeletons larger than this are not kept (memory: 5 bytes per skeleton byte).
-MAX_SKELETON = 8 << 20
+#: Skeletons larger than this are not kept (memory: 5 bytes per skeleton byte, so at most
+#: about 5 MiB per plan; 1 MiB of skeleton is some 20,000 leaves).
+MAX_SKELETON = 1 << 20
 #: Plans kept at most (the most recently learnt or used first).
 MAX_PLANS = 4
 
@@ -97,13 +98,15 @@ def learn(view: memoryview, tree: Any) -> None:
     stops = np.fromiter((e for _, e in spans), dtype=np.int64, count=len(spans))
     if np.any(starts[1:] < stops[:-1]):  # not in file order, or overlapping: not learnt
         return
-    keep = np.ones(n, dtype=bool)
-    for s, e in spans:
-        keep[s:e] = False
-    positions = np.flatnonzero(keep)
-    if positions.size > MAX_SKELETON:
+    # the skeleton is the gaps between payloads (sized before anything file-sized is made)
+    gap_starts = np.concatenate(([0], stops))
+    gap_stops = np.concatenate((starts, [n]))
+    if int((gap_stops - gap_starts).sum()) > MAX_SKELETON:
         return
-    positions = positions.astype(np.int32 if n < 2**31 else np.int64)
+    index = np.int32 if n < 2**31 else np.int64
+    positions = np.concatenate(
+        [np.arange(a, b, dtype=index) for a, b in zip(gap_starts.tolist(), gap_stops.tolist())]
+    )
     plan = Plan(n, positions, data[positions].copy(), template)
     with _LOCK:
         global _PLANS
