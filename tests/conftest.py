@@ -66,20 +66,23 @@ def conformance() -> Path:
 # --------------------------------------------------------------------------
 
 
-def assert_same_tree(a: Any, b: Any) -> None:
+def assert_same_tree(a: Any, b: Any, *, flags: bool = False) -> None:
     """Strictly the same tree: exact container and leaf types, dict key order, array bytes.
 
     Stricter than :func:`assert_bits_equal` (which lets dict keys come in another
     order): for fast paths that must return what the general one returns.
+    ``flags``: arrays also agree on being writeable.
     """
     assert type(a) is type(b), f"{type(a)} != {type(b)}"
     if isinstance(a, dict):
         assert list(a) == list(b)
         for k in a:
-            assert_same_tree(a[k], b[k])
+            assert_same_tree(a[k], b[k], flags=flags)
     elif isinstance(a, np.ndarray):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert a.tobytes() == b.tobytes()
+        if flags:
+            assert a.flags.writeable == b.flags.writeable
     else:
         assert a == b
 

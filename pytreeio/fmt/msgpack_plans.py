@@ -34,7 +34,7 @@ MIN_LEAVES = 32
 #: Skeletons larger than this are not kept (memory: 5 bytes per skeleton byte, so at most
 #: about 5 MiB per plan; 1 MiB of skeleton is some 20,000 leaves).
 MAX_SKELETON = 1 << 20
-#: Plans kept at most (the most recently learnt or used first).
+#: Plans kept at most (the most recently learnt first; one per buffer length).
 MAX_PLANS = 4
 
 _SCALARS = (int, float, bool, str, bytes, type(None))

@@ -632,9 +632,9 @@ class _Bands:
     a consumer of :class:`~pytreeio.registry.Deferred` chunks is done with one
     chunk's bytes when it asks for the next, so the band a thread was given
     before is free for a band still to be made once that thread asks again
-    (threads writing different files at once keep theirs).  (A fresh buffer per band costs its page
-    faults and the kernel's zeroing of every page: measured 3.6 against
-    4.6 GB/s per core for the copies of 4 MiB bands.)
+    (threads writing different files at once keep theirs).  A fresh buffer
+    per band costs its page faults and the kernel's zeroing of every page:
+    measured 3.6 against 4.6 GB/s per core for the copies of 4 MiB bands.
     """
 
     def __init__(self) -> None:

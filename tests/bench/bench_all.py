@@ -164,9 +164,7 @@ class Subject:
     def prepare(self) -> bool:
         """Save once untimed (the file set the raw baselines copy), load once (warm)."""
         try:
-            fresh(self.dir)()
-            self.dir.mkdir(parents=True)
-            self._save(self.path)
+            self._save_fresh()
             self.list_files()
             before = _rchar()
             self._load(self.path)
@@ -180,14 +178,18 @@ class Subject:
             self.run.log(f"  {self.name}: {self.error}")
             return False
 
+    def _save_fresh(self) -> None:
+        """One untimed save into an empty case directory."""
+        fresh(self.dir)()
+        self.dir.mkdir(parents=True)
+        self._save(self.path)
+
     def save_again(self) -> None:
         """The checkpoint the loads read (untimed; the timed saves' outputs are removed)."""
         if self.error is not None:
             return
         try:
-            fresh(self.dir)()
-            self.dir.mkdir(parents=True)
-            self._save(self.path)
+            self._save_fresh()
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"[:300]
             self.run.results["errors"].append(f"{self.name}: save: {self.error}")

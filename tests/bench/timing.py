@@ -88,11 +88,10 @@ def removed(path: Path) -> Callable[[], None]:
 def fresh(path: Path) -> Callable[[], None]:
     """Setup for a timed write: no destination, and no dirty pages left by earlier writes."""
 
+    remove = removed(path)
+
     def setup() -> None:
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+        remove()
         os.sync()
 
     return setup
