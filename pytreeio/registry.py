@@ -475,10 +475,11 @@ class Streamed:
     :class:`Format` has ``streams=True`` the source's native tree with these
     in place of its large arrays.  The encoder takes ``shape``, ``dtype``
     (native byte order) and ``nbytes`` for its headers and emits
-    :meth:`chunk` for the data.
+    :meth:`chunks` for the data: little-endian bytes, as every format
+    pytreeio writes stores them.
     """
 
-    __slots__ = ("dtype", "nbytes", "shape", "slot", "source")
+    __slots__ = ("_held", "_pending", "dtype", "nbytes", "shape", "slot", "source")
 
     def __init__(self, slot: Slot, source: Any) -> None:
         import numpy as np
@@ -492,6 +493,12 @@ class Streamed:
         for d in self.shape:
             n *= d
         self.nbytes = n
+        self._held: Any = None
+        self._pending = 0
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
 
     def read(self) -> Any:
         """The array, as ``decode`` would have returned it (C-contiguous, native byte order)."""
@@ -514,21 +521,50 @@ class Streamed:
             )
         return arr
 
+    def _little_bytes(self, seen: Callable[[Any], None] | None) -> Any:
+        """The array read, ``seen`` called on it, as a flat little-endian uint8 array."""
+        import sys
+
+        arr = self.read()
+        if seen is not None:
+            seen(arr)
+        if sys.byteorder != "little" and arr.dtype.itemsize > 1:
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        return arr.reshape(-1).view("u1")
+
     def chunk(self, seen: Callable[[Any], None] | None = None) -> Deferred:
-        """The data as a :class:`Deferred` chunk; ``seen(array)`` is called on each read (checksums)."""
+        """The data as one :class:`Deferred` chunk; ``seen(array)`` is called on the read (checksums)."""
+        return Deferred(self.nbytes, lambda: self._little_bytes(seen).data)
+
+    def chunks(
+        self,
+        seen: Callable[[Any], None] | None = None,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> tuple[Deferred, ...]:
+        """Bytes ``[start, stop)`` of the C-order data as :class:`Deferred` chunks, in order.
+
+        The whole array is one chunk; ``seen`` gets its bytes in order (one
+        array here; a sharded array's bands in :mod:`pytreeio.sharding`).
+        Pieces of it (an encoder that splits a large array into records,
+        msgpack beyond 1 GiB) share one read: the first piece produced reads
+        the array, which is dropped once every piece asked for is produced.
+        """
+        stop = self.nbytes if stop is None else stop
+        if start == 0 and stop == self.nbytes:
+            return (self.chunk(seen),)
+        self._pending += 1
 
         def produce() -> Any:
-            arr = self.read()
-            if seen is not None:
-                seen(arr)
-            return arr.reshape(-1).view("u1").data if arr.size else b""
+            if self._held is None:
+                self._held = self._little_bytes(seen)
+            data = self._held[start:stop].data
+            self._pending -= 1
+            if self._pending <= 0:
+                self._held = None
+            return data
 
-        return Deferred(self.nbytes, produce)
-
-    def chunks(self, seen: Callable[[Any], None] | None = None) -> tuple[Deferred, ...]:
-        """The data as :class:`Deferred` chunks in file order; ``seen`` gets each one's bytes in
-        order (one array here; a sharded array's bands in :mod:`pytreeio.sharding`)."""
-        return (self.chunk(seen),)
+        return (Deferred(stop - start, produce),)
 
     def __repr__(self) -> str:
         return f"Streamed({self.slot.key!r}, {self.shape}, {self.dtype})"

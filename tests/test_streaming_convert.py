@@ -176,6 +176,87 @@ def test_tinyllama_conformance_to_safetensors(
         check_identical(src, tmp_path / "t.safetensors", "tinyllama", "safetensors")
 
 
+def test_tinyllama_into_msgpack_and_back(
+    conformance: Path, tmp_path: Path, every_slot_streams: Any
+) -> None:
+    for src in sorted((conformance / "tinyllama").iterdir()):
+        flax = tmp_path / "t.msgpack"
+        with pytest.warns(ptio.PytreeioWarning, match="config"):  # msgpack has no place for it
+            check_identical(src, flax, "tinyllama", "msgpack", lossy=True)
+        config = ptio.inspect(src).meta
+        back = tmp_path / "back.bin"
+        check_identical(flax, back, "msgpack", "tinyllama", meta=config)
+        assert back.read_bytes() == src.read_bytes()  # the original system's bytes again
+        via = tmp_path / "t.safetensors"
+        ptio.convert(src, via, to="safetensors")
+        check_identical(via, back, "safetensors", "tinyllama")  # the config rides in its meta
+        assert back.read_bytes() == src.read_bytes()
+
+
+def test_streamed_cast_into_tinyllama(tmp_path: Path, every_slot_streams: Any) -> None:
+    d, f, v, s = 8, 16, 12, 4
+    rng = np.random.default_rng(3)
+
+    def m(*shape: int) -> np.ndarray:
+        return rng.normal(size=shape).astype(np.float16)
+
+    layer = {"wq": m(d, d), "wk": m(d, d), "wv": m(d, d), "wo": m(d, d), "w1": m(d, f)}
+    layer |= {"b1": m(f), "w2": m(f, d), "b2": m(d)}
+    layer |= {"ln1": {"scale": m(d), "bias": m(d)}, "ln2": {"scale": m(d), "bias": m(d)}}
+    tree = {
+        "tok_embedding": m(v, d),
+        "pos_embedding": m(s, d),
+        "layers": [layer],
+        "output": m(d, v),
+    }
+    src = tmp_path / "half.safetensors"
+    ptio.save(src, tree)
+    config = {"config": {"n_heads": 2, "dropout": 0.0}}
+    dst = tmp_path / "w.bin"
+    with pytest.raises(ptio.ConversionError, match="cast=True"):
+        ptio.convert(src, dst, to="tinyllama", meta=config)
+    assert not dst.exists()
+    check_identical(src, dst, "safetensors", "tinyllama", meta=config, cast=True)
+    got = ptio.load(dst, format="tinyllama")
+    assert np.array_equal(got["layers"][0]["w2"], layer["w2"].astype(np.float32))
+
+
+def test_generic_trees_into_msgpack(
+    tmp_path: Path, every_slot_streams: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(4)
+    tree = {
+        "params": {"w": rng.normal(size=(40, 30)).astype(np.float32), "b": np.arange(30)},
+        "step": 3,
+        "xs": [np.ones(7, np.float16), None, 1.5, "s"],
+        "flags": np.array([True, False]),
+    }
+    st, mp = tmp_path / "a.safetensors", tmp_path / "a.msgpack"
+    ptio.save(st, tree, checksum=False)
+    check_identical(st, mp, "safetensors", "msgpack")
+    # flax's chunked layout: pieces of one array share a single read of it
+    chunked = tmp_path / "chunked.msgpack"
+    reads = count_reads(monkeypatch)
+    check_identical(mp, chunked, "msgpack", "msgpack", chunk_bytes=1000)
+    assert max(reads.values()) == 1, reads  # once per array, never once per piece
+    assert (tmp_path / "chunked.msgpack").stat().st_size > mp.stat().st_size
+    check_identical(chunked, tmp_path / "again.msgpack", "msgpack", "msgpack")
+    assert (tmp_path / "again.msgpack").read_bytes() == mp.read_bytes()
+
+
+def count_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Reads of each streamed array (by slot key), from now on."""
+    counts: dict[str, int] = {}
+    original = Streamed.read
+
+    def read(self: Streamed) -> Any:
+        counts[self.slot.key] = counts.get(self.slot.key, 0) + 1
+        return original(self)
+
+    monkeypatch.setattr(Streamed, "read", read)
+    return counts
+
+
 def test_model_form_conversions_do_not_stream(tmp_path: Path) -> None:
     src = tmp_path / "m.nn"
     params = {"layer0": {"weight": big(256 * 128, 0).reshape(256, 128), "bias": big(128, 1)}}
@@ -259,7 +340,8 @@ CHILD = textwrap.dedent(
         raise KeyError(key)
 
     base = status("VmRSS")
-    ptio.convert(sys.argv[1], sys.argv[2], to="safetensors", durable=False)
+    to, options = sys.argv[3], json.loads(sys.argv[4])
+    ptio.convert(sys.argv[1], sys.argv[2], to=to, durable=False, **options)
     print(json.dumps({"base_mb": base, "peak_mb": status("VmHWM")}))
     """
 )
@@ -299,23 +381,28 @@ def scratch_dir() -> str | None:
     return None
 
 
+def convert_in_child(src: Path, dst: Path, to: str, **options: Any) -> int:
+    """Peak RSS growth (MiB) of a fresh process converting ``src`` to ``dst``."""
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(src), str(dst), to, json.dumps(options)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    mem = json.loads(out.stdout.strip().splitlines()[-1])
+    return int(mem["peak_mb"] - mem["base_mb"])
+
+
 def test_large_checkpoint_streams_in_bounded_memory() -> None:
     with tempfile.TemporaryDirectory(dir=scratch_dir()) as tmp:
         src, dst = Path(tmp) / "ckpt", Path(tmp) / "out.safetensors"
         write_big_bullet(src)
         size = (src / "optimiser_state" / "weights.bin").stat().st_size
         assert size > 1 << 30
-        out = subprocess.run(
-            [sys.executable, "-c", CHILD, str(src), str(dst)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        assert out.returncode == 0, out.stderr
-        mem = json.loads(out.stdout.strip().splitlines()[-1])
-        growth = mem["peak_mb"] - mem["base_mb"]
-        assert growth < LIMIT_MB, mem  # the whole checkpoint would be 1024 MiB
+        growth = convert_in_child(src, dst, "safetensors")
+        assert growth < LIMIT_MB, growth  # the whole checkpoint would be 1024 MiB
         print(f"peak RSS growth {growth} MiB converting {size >> 20} MiB")
         # the output: every tensor where its header says, with its checksum
         assert len(ptio.inspect(dst).entries) == 2 * N_TENSORS
@@ -332,3 +419,68 @@ def test_large_checkpoint_streams_in_bounded_memory() -> None:
                 assert sums[name] == array_checksum(want)
                 got = np.frombuffer(f.read(8 + n + begin, end - begin, name), np.float32)
                 assert np.array_equal(got, want)
+
+
+#: A Tiny Llama of ~490 MiB in 16 MiB matrices: d_model 1024, ffn 4096, 10 layers.
+LLAMA = {
+    "d_model": 1024,
+    "n_layers": 10,
+    "n_heads": 8,
+    "ffn_hidden_dim": 4096,
+    "max_seq_len": 16,
+    "vocab_size": 1024,
+    "dropout": 0.0,
+}
+LLAMA_LIMIT_MB = 160
+
+
+def write_big_tinyllama(path: Path) -> dict[str, np.ndarray]:
+    """A sparse Tiny Llama file: the first and last matrices filled, the rest holes (zeros).
+
+    Returns the filled matrices by key path.
+    """
+    from pytreeio.fmt import tinyllama
+
+    records = list(tinyllama._records(LLAMA))
+    filled = {0: records[0], len(records) - 1: records[-1]}
+    with open(path, "wb") as f:
+        f.write(struct.pack("<II6i", tinyllama.MAGIC, tinyllama.VERSION, *list(LLAMA.values())[:6]))
+        f.write(struct.pack("<f", LLAMA["dropout"]))
+        for k, rec in enumerate(records):
+            f.seek(rec.offset)
+            f.write(struct.pack(f"<{len(rec.dims)}Q", *rec.dims))
+            if k in filled:
+                f.write(big(rec.nbytes // 4, k).tobytes())
+        f.truncate(records[-1].end)
+    return {
+        "/".join(map(str, rec.path)): big(rec.nbytes // 4, k).reshape(rec.dims)
+        for k, rec in filled.items()
+    }
+
+
+def files_equal(a: Path, b: Path, block: int = 16 << 20) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(block), fb.read(block)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def test_large_tinyllama_streams_into_msgpack_and_back_in_bounded_memory() -> None:
+    with tempfile.TemporaryDirectory(dir=scratch_dir()) as tmp:
+        src, flax, back = Path(tmp) / "w.bin", Path(tmp) / "w.msgpack", Path(tmp) / "back.bin"
+        filled = write_big_tinyllama(src)
+        size = src.stat().st_size
+        assert size > 480 << 20
+        grew = convert_in_child(src, flax, "msgpack", lossy=True)
+        assert grew < LLAMA_LIMIT_MB, grew  # the whole checkpoint would be 490 MiB
+        with ptio.open(flax) as view:  # the filled matrices where msgpack put them
+            for key, want in filled.items():
+                assert np.array_equal(view[key], want)
+            assert not view["layers/3/w1"].any()
+        grew_back = convert_in_child(flax, back, "tinyllama", meta={"config": LLAMA})
+        assert grew_back < LLAMA_LIMIT_MB, grew_back
+        print(f"peak RSS growth {grew} and {grew_back} MiB converting {size >> 20} MiB both ways")
+        assert files_equal(src, back)

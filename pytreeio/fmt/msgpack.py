@@ -28,8 +28,11 @@ as it is.  Flax NNX Variables are written as their values (see
 A file without keys is exactly what flax writes.
 
 Writing streams each array's own buffer to the file (the ext and bin
-headers are computed, never the payload); reading parses the framing in
-place and returns arrays that are views of the file's bytes.
+headers are computed, never the payload); arrays whose bytes come later (a
+sharded jax array's shards, a streaming conversion's
+:class:`~pytreeio.registry.Streamed` source) are framed from their shape and
+dtype and written as deferred chunks.  Reading parses the framing in place
+and returns arrays that are views of the file's bytes.
 
 Reading is bounded: nesting depth (:data:`_MAX_DEPTH`), the number of maps
 and arrays (:data:`CONTAINER_COST`), array shapes
@@ -69,6 +72,7 @@ from ..registry import (
     Probe,
     Slot,
     Slots,
+    Streamed,
     register,
 )
 from ..tree import is_jax_array, is_namedtuple, key_string, namedtuple_fields
@@ -203,8 +207,9 @@ class _Encoder:
             self.w.raw(_packb(str(i)))
             self.ext_array(flat[s : s + per_chunk], _EXT_NDARRAY)
 
-    def sharded(self, leaf: sharding.ShardedLeaf, path: tuple[Any, ...]) -> None:
-        """A sharded array: the framing computed from its shape, its bytes from its shards."""
+    def streamed(self, leaf: Streamed, path: tuple[Any, ...]) -> None:
+        """An array whose bytes come later (a sharded jax array's shards, a streaming
+        conversion's source): the framing from its shape and dtype, the data as deferred chunks."""
         why = dtypes.check_plain(leaf.dtype)
         if why is not None:
             raise EncodeError(why, key_path=key_string(path))
@@ -247,7 +252,7 @@ class _Encoder:
                 return
             sharded = None if t is np.ndarray else sharding.sharded_leaf(x, key_string(path))
             if sharded is not None:  # written shard by shard, never gathered
-                self.sharded(sharded, path)
+                self.streamed(sharded, path)
                 return
             arr = _as_host_array(x, path)
             if arr.nbytes > self.chunk_bytes:
@@ -256,6 +261,8 @@ class _Encoder:
                 self.ext_array(arr, _EXT_NDARRAY)
         elif t is dict and all(type(k) is str for k in x):
             self.mapping(list(x.items()), path, depth)
+        elif isinstance(x, Streamed):  # a streaming conversion's array: read when written
+            self.streamed(x, path)
         elif x is None:
             self.w.raw(b"\xc0")
         elif isinstance(x, bool | int | float | str | bytes) and not isinstance(x, np.generic):
@@ -1232,5 +1239,6 @@ FORMAT = register(
         accepts_meta=False,
         keeps_meta=False,
         slots=slots,
+        streams=True,
     )
 )

@@ -74,7 +74,9 @@ native tree's ``layers`` list.
 
 Arrays must be float32.  Other dtypes are refused on ``encode`` unless the
 caller passes ``cast=True``, which converts floating-point arrays to float32
-(never integers).
+(never integers).  ``encode`` takes a streaming conversion's
+:class:`~pytreeio.registry.Streamed` arrays too (each read, and cast, when
+its record is written).
 """
 
 from __future__ import annotations
@@ -88,7 +90,19 @@ import numpy as np
 
 from ..binary import Buffer, ByteSource, Reader, Writer
 from ..errors import EncodeError, FormatError, MismatchError
-from ..registry import FILE, Decoded, Encoded, Entry, Format, Info, Probe, Slot, Slots, register
+from ..registry import (
+    FILE,
+    Decoded,
+    Encoded,
+    Entry,
+    Format,
+    Info,
+    Probe,
+    Slot,
+    Slots,
+    Streamed,
+    register,
+)
 from ..registry import MAGIC as MAGIC_SCORE
 from ..tree import key_string
 
@@ -537,18 +551,36 @@ def _layers_of(tree: Mapping[str, Any]) -> tuple[list[Any], set[str]]:
     return [tree[flax_keys[f"layers_{i}"]] for i in indices], set(flax_keys)
 
 
-def _float32(leaf: Any, path: Sequence[str | int], cast: bool) -> np.ndarray:
+def _float32(leaf: Any, path: Sequence[str | int], cast: bool) -> np.ndarray | Streamed:
+    """The leaf as float32: an array, or a streaming conversion's array read when written."""
     if leaf is None:
         raise _refuse(path, "missing array", "float32 array", None)
-    arr = np.asarray(leaf)
+    streamed = isinstance(leaf, Streamed)
+    arr = leaf if streamed else np.asarray(leaf)
     if arr.dtype.kind == "f" and arr.dtype.itemsize == 4:
         return arr
     # ml_dtypes' bfloat16 and float8 types are floating point without numpy's kind "f".
     floating = arr.dtype.kind == "f" or arr.dtype.name.startswith(("bfloat16", "float8"))
     if cast and floating:
-        return arr.astype(np.float32)
+        return _CastStreamed(leaf) if streamed else arr.astype(np.float32)
     hint = "; pass cast=True to convert it to float32" if floating else ""
     raise _refuse(path, f"Tiny Llama stores float32 only{hint}", "float32", str(arr.dtype))
+
+
+class _CastStreamed(Streamed):
+    """A streamed floating-point array of another width, written as float32."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner: Streamed) -> None:
+        self.inner = inner
+        self.slot, self.source = inner.slot, inner.source
+        self.shape, self.dtype = inner.shape, np.dtype(np.float32)
+        self.nbytes = 4 * math.prod(inner.shape)
+        self._held, self._pending = None, 0
+
+    def read(self) -> np.ndarray:
+        return np.ascontiguousarray(self.inner.read(), dtype=np.float32)
 
 
 def _get(node: Any, key: str, path: Sequence[str | int]) -> Any:
@@ -731,7 +763,11 @@ def encode(
             raise _refuse(rec.path, f"wrong shape for {rec.field}", rec.dims, arr.shape)
         for dim in rec.dims:
             w.u64(dim)
-        w.array(arr)
+        if isinstance(arr, Streamed):
+            for c in arr.chunks():
+                w.deferred(c)
+        else:
+            w.array(arr)
     return Encoded(chunks=tuple(w.finish()))
 
 
@@ -778,5 +814,6 @@ FORMAT = register(
         sniff=sniff,
         restore=restore,
         slots=slots,
+        streams=True,
     )
 )
