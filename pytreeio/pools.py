@@ -14,7 +14,9 @@ once on the submitting thread instead of failing.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import sys
 import threading
 from collections.abc import Callable
@@ -46,9 +48,7 @@ def start_daemon(target: Callable[..., Any], name: str, *args: Any) -> threading
     thread = threading.Thread(target=target, args=args, name=name, daemon=True)
     try:
         thread.start()
-    except RuntimeError:
-        if not exiting() and not sys.is_finalizing():
-            raise
+    except RuntimeError:  # exiting, or no thread can start (address-space or thread limits)
         return None
     return thread
 
@@ -81,14 +81,32 @@ def _pool_class() -> type[ThreadPoolExecutor]:
     from concurrent.futures import ThreadPoolExecutor
 
     class Pool(ThreadPoolExecutor):
+        """Jobs run on the threads that could start: none at exit, or fewer than asked for
+        where the process may not start more (an address-space limit such as ``ulimit -v``
+        counts each thread's stack and malloc arena)."""
+
         def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
             if not exiting():
                 try:
                     return super().submit(fn, *args, **kwargs)
                 except RuntimeError:
-                    if not exiting():  # not the interpreter's exit: a real error
+                    if self._shutdown:  # type: ignore[attr-defined]  # submitted after shutdown()
                         raise
             return _run_now(fn, args, kwargs)
+
+        def _adjust_thread_count(self) -> None:
+            # called by submit, under its lock, after the job is queued
+            try:
+                super()._adjust_thread_count()  # type: ignore[misc]
+            except RuntimeError:
+                if self._threads:  # type: ignore[attr-defined]
+                    return  # a thread could not start: the running ones take the job
+                # None runs: take the job back (no thread started later may run it
+                # again) and let submit run it on the caller's thread.
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        self._work_queue.get_nowait()  # type: ignore[attr-defined]
+                raise
 
     return Pool
 

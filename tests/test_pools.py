@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import threading
 
+import pytest
+
 from pytreeio import crc, io, pools, transpose
 
 
@@ -34,3 +36,61 @@ def test_cores_follow_the_affinity_and_every_per_core_pool_uses_them() -> None:
     assert transpose.threads() == crc.threads() == n
     assert transpose.pool()._max_workers == crc.pool()._max_workers == n
     assert io._get_pool()._max_workers == 4  # the reads: page faults in parallel
+
+
+def limit_threads(monkeypatch: pytest.MonkeyPatch, allowed: int) -> list[str]:
+    """Thread.start succeeds ``allowed`` times, then fails as under ``ulimit -v``; names refused."""
+    refused: list[str] = []
+    start = threading.Thread.start
+    left = [allowed]
+
+    def limited(self: threading.Thread) -> None:
+        if left[0] <= 0:
+            refused.append(self.name)
+            raise RuntimeError("can't start new thread")
+        left[0] -= 1
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", limited)
+    return refused
+
+
+def test_jobs_run_once_on_the_caller_when_no_thread_can_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    refused = limit_threads(monkeypatch, 0)
+    pool = pools.new_pool(4, "pytreeio-test")
+    runs: list[str] = []
+
+    def job(i: int) -> int:
+        runs.append(threading.current_thread().name)
+        return i * i
+
+    assert [pool.submit(job, i).result() for i in range(5)] == [0, 1, 4, 9, 16]
+    assert runs == [threading.current_thread().name] * 5 and len(refused) == 5
+    monkeypatch.undo()  # threads may start again: nothing queued earlier runs twice
+    assert pool.submit(job, 5).result() == 25
+    pool.shutdown(wait=True)
+    assert len(runs) == 6
+    assert pools.start_daemon(lambda: None, "x") is not None
+
+
+def test_jobs_go_to_the_threads_that_could_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    refused = limit_threads(monkeypatch, 1)
+    pool = pools.new_pool(4, "pytreeio-test")
+    gate = threading.Event()
+    runs: list[int] = []
+
+    def job(i: int) -> int:
+        gate.wait(5)  # the first job holds the one thread while the others queue
+        runs.append(i)
+        return i
+
+    futures = [pool.submit(job, i) for i in range(6)]
+    gate.set()
+    assert [f.result(timeout=5) for f in futures] == list(range(6))
+    assert sorted(runs) == list(range(6)) and refused  # each exactly once
+    pool.shutdown(wait=True)
+    assert pools.start_daemon(lambda: None, "pytreeio-test-daemon") is None  # caller does the work
+    with pytest.raises(RuntimeError):
+        pool.submit(job, 7)  # after shutdown: still an error
