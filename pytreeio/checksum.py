@@ -389,37 +389,16 @@ def _count(arr: np.ndarray) -> tuple[int, int]:
     return nan, inf
 
 
-def _str_keys(tree: Any) -> Any:
-    """``tree`` with every dict key that is not a str or int replaced by its ``str()``
-    (suffixed ``#n`` where that collides), so that every leaf gets a key string."""
-    if isinstance(tree, dict):
-        out: dict[Any, Any] = {}
-        for k, v in tree.items():
-            name = k if isinstance(k, str | int) and not isinstance(k, bool) else str(k)
-            while name in out or (name != k and name in tree):
-                name = f"{name}#{len(out)}"
-            out[name] = _str_keys(v)
-        return out
-    if isinstance(tree, list):
-        return [_str_keys(v) for v in tree]
-    if type(tree) is tuple:
-        return tuple(_str_keys(v) for v in tree)
-    return tree
-
-
 def nonfinite_counts(tree: Any) -> dict[str, dict[str, int]]:
     """``{entry: {"nan": n, "inf": m}}`` for the floating leaves of ``tree`` that have any.
 
     Entries are canonical key strings (:func:`pytreeio.flatten`); Python
     floats count as float64 scalars; other leaves are skipped.
     """
-    from .tree import flatten
+    from .tree import flatten_named
 
     out: dict[str, dict[str, int]] = {}
-    try:
-        leaves = flatten(tree)
-    except TypeError:  # map keys that form no key path (msgpack's None, 1.5): named by str()
-        leaves = flatten(_str_keys(tree))
+    leaves = flatten_named(tree)
     for key, leaf in leaves.items():
         if isinstance(leaf, float):
             arr: Any = np.asarray(leaf, dtype=np.float64)

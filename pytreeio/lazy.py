@@ -35,7 +35,7 @@ from .registry import Format, Info, Slot
 from .tree import (
     MISSING,
     LazyLeaf,
-    flatten,
+    flatten_named,
     iter_leaves,
     key_string,
     map_leaves,
@@ -246,7 +246,7 @@ class Checkpoint(Mapping[str, Any]):
 
     def _entries(self) -> dict[str, Any]:
         if self._flat is None:
-            self._flat = flatten(self._native())
+            self._flat = flatten_named(self._native())
         return self._flat
 
     def __getitem__(self, key: str) -> Any:

@@ -354,6 +354,33 @@ def flatten(tree: Any) -> dict[str, Any]:
     return out
 
 
+def str_keys(tree: Any) -> Any:
+    """``tree`` with every dict key that is not a str or int replaced by its ``str()``
+    (suffixed ``#n`` where that collides), so that every leaf gets a key string."""
+    if isinstance(tree, dict):
+        out: dict[Any, Any] = {}
+        for k, v in tree.items():
+            name = k if isinstance(k, str | int) and not isinstance(k, bool) else str(k)
+            while name in out or (name != k and name in tree):
+                name = f"{name}#{len(out)}"
+            out[name] = str_keys(v)
+        return out
+    if isinstance(tree, list):
+        return [str_keys(v) for v in tree]
+    if type(tree) is tuple:
+        return tuple(str_keys(v) for v in tree)
+    return tree
+
+
+def flatten_named(tree: Any) -> dict[str, Any]:
+    """:func:`flatten`, where map keys that form no key path (msgpack's None, 1.5) are
+    named by their ``str()`` (see :func:`str_keys`) instead of refused."""
+    try:
+        return flatten(tree)
+    except TypeError:
+        return flatten(str_keys(tree))
+
+
 def _nest(flat: Mapping[str, Any], *, dense: bool = True) -> Any:
     """Nested dicts/lists from canonical keys (lists where the level is ``[i]``).
 

@@ -687,3 +687,22 @@ def test_command_line_fuzzes_every_registered_format(capsys: Any) -> None:
     for name in registry.formats():
         assert f"\n{name}: 2 inputs, 0 failures" in "\n" + out
     assert len(list(registry.formats())) >= 9
+
+
+def test_lazy_view_of_a_msgpack_map_with_keys_that_form_no_key_path(tmp_path: Path) -> None:
+    """An array under a map key None: msgpack's slots raised AttributeError building its
+    key string, and the lazy view's flatten a TypeError; such keys are named by str()."""
+    import msgpack as msgpack_lib
+
+    import pytreeio as ptio
+    from pytreeio.fmt import msgpack
+
+    arr = np.arange(6, dtype=np.float32)
+    blob = msgpack.encode({"x": {"w": arr}}).tobytes().replace(b"\xa1x", b"\xc0\x90"[:1], 1)
+    assert msgpack_lib.unpackb(blob, strict_map_key=False, ext_hook=lambda c, d: d).keys() == {None}
+    path = tmp_path / "odd.msgpack"
+    path.write_bytes(blob)
+    with ptio.open(path) as view:
+        assert list(view) == ["None/w"]
+        assert np.array_equal(view["None/w"], arr)
+    assert np.array_equal(ptio.load(path)[None]["w"], arr)

@@ -46,6 +46,7 @@ The format has no magic number, so ``sniff`` only ever makes a weak guess.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import mmap
@@ -398,15 +399,25 @@ class _Parser:
     for error offsets.
     """
 
-    def __init__(self, r: Reader, *, skip_data: bool, summarise: bool = False) -> None:
+    def __init__(
+        self,
+        r: Reader,
+        *,
+        skip_data: bool,
+        summarise: bool = False,
+        placeholders: list[_ArrayHeader] | None = None,
+        file_size: int | None = None,
+    ) -> None:
         self.r = r
         self.skip_data = skip_data
         self.summarise = summarise
+        self.placeholders = placeholders
         self.listed = 0
         self.unlisted = 0
         self.marked: dict[int, int] = {}
         # Maps and arrays cost 60+ bytes each but only 1 byte of file: the file pays for them.
-        self.containers_left = (len(r.view) + _CONTAINER_ALLOWANCE) // CONTAINER_COST
+        size = len(r.view) if file_size is None else file_size
+        self.containers_left = (size + _CONTAINER_ALLOWANCE) // CONTAINER_COST
 
     def value(self, depth: int, field: str) -> Any:
         r = self.r
@@ -644,6 +655,8 @@ class _Parser:
     def ext(self, n: int, field: str, depth: int) -> Any:
         r = self.r
         code = r.u8(field)
+        if code == _PLACEHOLDER and self.placeholders is not None and n == 4:
+            return self.placeholders[r.be_u32(field)]  # an array header read by _compact
         body = r.sub(n, field)
         if code in (_EXT_NDARRAY, _EXT_NPSCALAR):
             arr = self.ndarray(body, field)
@@ -981,12 +994,24 @@ def _unchunk(node: Any, parser: _Parser, field: str) -> Any:
 
 
 def _parse(
-    view: Any, *, skip_data: bool, summarise: bool = False, source: str | None = None
+    view: Any,
+    *,
+    skip_data: bool,
+    summarise: bool = False,
+    source: str | None = None,
+    placeholders: list[_ArrayHeader] | None = None,
+    file_size: int | None = None,
 ) -> Any:
     r = Reader(view, source=source)
     if r.remaining == 0:
         raise r.error("empty file", "msgpack object", 0)
-    parser = _Parser(r, skip_data=skip_data, summarise=summarise)
+    parser = _Parser(
+        r,
+        skip_data=skip_data,
+        summarise=summarise,
+        placeholders=placeholders,
+        file_size=file_size,
+    )
     tree = parser.value(0, "")
     r.expect_end("end of msgpack object")
     if not parser.marked:  # no chunked array or key map anywhere: nothing to replace
@@ -1033,7 +1058,12 @@ def inspect(source: ByteSource) -> Info:
     Scalars beyond the listing limits (see the module doc) are counted in
     ``meta["unlisted_scalars"]`` instead of listed.
     """
-    tree, unlisted = _parse(source.view(), skip_data=True, summarise=True, source=source.name)
+    try:
+        view = source.view()
+    except OSError:  # no file-sized map in this process (an address-space limit)
+        tree, unlisted = _parse_compact(source, summarise=True)
+    else:
+        tree, unlisted = _parse(view, skip_data=True, summarise=True, source=source.name)
     entries: list[Entry] = []
     _entries(tree, (), entries)
     meta = {"unlisted_scalars": unlisted} if unlisted else {}
@@ -1146,6 +1176,174 @@ def _walk_framing(sp: _Sparse) -> None:
             pending.append(count)
 
 
+# Where no file-sized map can be made (a process under an address-space limit
+# such as ``ulimit -v``), the framing is copied into a compact buffer instead:
+# every array extension is cut out, its header parsed and checked here by the
+# parser's own ``array_header`` on the file's bytes, and a fixext4 placeholder
+# holding its index left in its place.  The validating parser then runs on the
+# compact buffer; its error offsets are mapped back to the file's.
+
+#: The extension code of a placeholder (an unknown code in real files: refused there).
+_PLACEHOLDER = 0x7E
+
+
+class _Windows:
+    """Bytes of a source at file offsets, read a window at a time."""
+
+    def __init__(self, source: ByteSource) -> None:
+        self.source = source
+        self.size = source.size
+        self.start = 0
+        self.data = b""
+
+    def get(self, pos: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``pos`` (fewer where the file ends)."""
+        end = min(pos + n, self.size)
+        if pos >= end:
+            return b""
+        if not (self.start <= pos and end <= self.start + len(self.data)):
+            self.start = pos
+            want = max(end - pos, _WINDOW)
+            self.data = bytes(self.source.read(pos, min(want, self.size - pos), "msgpack"))
+        return self.data[pos - self.start : end - self.start]
+
+    def uint(self, pos: int, width: int) -> int | None:
+        raw = self.get(pos, width)
+        return int.from_bytes(raw, "big") if len(raw) == width else None
+
+
+class _Compactor:
+    """The framing of a msgpack file with its array payloads cut out (see above)."""
+
+    def __init__(self, source: ByteSource) -> None:
+        self.w = _Windows(source)
+        self.name = source.name
+        self.out = bytearray()
+        self.heads: list[_ArrayHeader] = []
+        self.segments: list[tuple[int, int]] = [(0, 0)]  # (compact, file) offsets of each run
+
+    def copy(self, pos: int, n: int) -> bool:
+        raw = self.w.get(pos, n)
+        self.out += raw
+        return len(raw) == n
+
+    def array(self, pos: int, body: int, n: int, code: int) -> None:
+        """The array extension at ``pos`` (body at ``body``, ``n`` bytes) as a placeholder."""
+        head = self.w.get(body, min(n, _ARRAY_HEAD))
+        r = Reader(head, source=self.name, start=body)
+        shape, dt, nbytes = _fast_array_header(r) or _Parser(r, skip_data=True).array_header(
+            r, "msgpack"
+        )
+        at = r.offset
+        if at - body + nbytes != n:
+            raise FormatError(
+                f"array extension of {n} bytes holds {at - body} bytes of header and "
+                f"{nbytes} of data",
+                path=self.name,
+                field="msgpack",
+                offset=body,
+            )
+        h = _ArrayHeader(shape, dt, nbytes, at)
+        if code == _EXT_NPSCALAR:
+            if shape != ():
+                raise FormatError(
+                    f"numpy scalar with shape {shape}", path=self.name, field="msgpack", offset=body
+                )
+            h.npscalar = True
+        self.out += b"\xd6" + bytes((_PLACEHOLDER,)) + len(self.heads).to_bytes(4, "big")
+        self.heads.append(h)
+        self.segments.append((len(self.out), body + n))
+
+    def walk(self) -> None:
+        """Copy the framing, as :func:`_walk_framing` reads it; stop where it would."""
+        w, pos = self.w, 0
+        pending = [1]
+        while pending:
+            if pending[-1] == 0:
+                pending.pop()
+                continue
+            pending[-1] -= 1
+            b = w.uint(pos, 1)
+            if b is None:
+                return
+            count: int | None = None
+            if b <= 0x7F or b >= 0xE0 or b in (0xC0, 0xC2, 0xC3):
+                size = 1
+            elif b <= 0x8F:
+                size, count = 1, 2 * (b & 0x0F)
+            elif b <= 0x9F:
+                size, count = 1, b & 0x0F
+            elif b <= 0xBF:
+                size = 1 + (b & 0x1F)
+            elif b in _FIXED_SIZE:
+                size = 1 + _FIXED_SIZE[b]
+            elif b in _BLOB_WIDTH:
+                width = _BLOB_WIDTH[b]
+                n = w.uint(pos + 1, width)
+                if n is None:
+                    break
+                size = 1 + width + n
+            elif b in _EXT_WIDTH or 0xD4 <= b <= 0xD8:
+                width = _EXT_WIDTH.get(b, 0)
+                n = w.uint(pos + 1, width) if width else 1 << (b - 0xD4)
+                code = w.uint(pos + 1 + width, 1)
+                if n is None or code is None:
+                    break
+                body = pos + 2 + width
+                if code in (_EXT_NDARRAY, _EXT_NPSCALAR) and body + n <= w.size:
+                    self.array(pos, body, n, code)  # the whole extension becomes a placeholder
+                    pos = body + n
+                    continue
+                if code == _PLACEHOLDER:
+                    raise FormatError(
+                        f"unknown msgpack extension type {code}",
+                        path=self.name,
+                        field="msgpack",
+                        offset=pos + 1 + width,
+                    )
+                size = 2 + width + n
+            elif b in _COUNT_WIDTH:
+                width, per = _COUNT_WIDTH[b]
+                n = w.uint(pos + 1, width)
+                if n is None:
+                    break
+                size, count = 1 + width, per * n
+            else:
+                break  # 0xC1: the parser reports it
+            if not self.copy(pos, size):
+                return
+            pos += size
+            if count is not None:
+                if len(pending) > _MAX_DEPTH + 2:
+                    break
+                pending.append(count)
+        self.copy(pos, 64)  # where it stopped: the parser meets the real bytes there
+
+    def file_offset(self, offset: int) -> int:
+        i = bisect.bisect_right(self.segments, (offset, math.inf)) - 1
+        compact, file = self.segments[max(i, 0)]
+        return file + offset - compact
+
+
+def _parse_compact(source: ByteSource, *, summarise: bool = False) -> Any:
+    """:func:`_parse` with ``skip_data`` of a file that cannot be mapped whole (see above)."""
+    c = _Compactor(source)
+    c.walk()
+    try:
+        return _parse(
+            memoryview(c.out),
+            skip_data=True,
+            summarise=summarise,
+            source=source.name,
+            placeholders=c.heads,
+            file_size=source.size,
+        )
+    except FormatError as exc:
+        if exc.offset is not None:
+            exc.offset = c.file_offset(exc.offset)
+        raise
+
+
 def _read_parts(
     key: str, parts: tuple[_ArrayHeader, ...], shape: tuple[int, ...]
 ) -> Callable[[ByteSource], np.ndarray]:
@@ -1192,8 +1390,11 @@ def _as_slots(node: Any, path: tuple[Any, ...], source: str | None) -> Any:
         return _slot_of(node, key_string(path))
     if isinstance(node, _KeyHeader):
         return _key_slot(node, key_string(path), source)
-    if type(node) is dict:
-        return {k: _as_slots(v, (*path, k), source) for k, v in node.items()}
+    if type(node) is dict:  # a key that is no str (msgpack's None, 1.5) is named by str()
+        return {
+            k: _as_slots(v, (*path, k if type(k) is str else str(k)), source)
+            for k, v in node.items()
+        }
     if type(node) is list:
         return [_as_slots(v, (*path, ("[", i)), source) for i, v in enumerate(node)]
     return node
@@ -1205,9 +1406,13 @@ def slots(source: ByteSource) -> Slots:
     The values between arrays (keys, scalars, strings) are read as ``decode``
     reads them; each array costs the window of the file around its header.
     """
-    sp = _Sparse(source)
-    _walk_framing(sp)
-    tree, _ = _parse(memoryview(sp.buf), skip_data=True, source=source.name)
+    try:
+        sp = _Sparse(source)
+    except OSError:  # no file-sized map in this process (an address-space limit)
+        tree, _ = _parse_compact(source)
+    else:
+        _walk_framing(sp)
+        tree, _ = _parse(memoryview(sp.buf), skip_data=True, source=source.name)
     return Slots(_as_slots(tree, (), source.name), {})
 
 
