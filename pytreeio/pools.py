@@ -38,10 +38,11 @@ def exiting() -> bool:
 
 
 def start_daemon(target: Callable[..., Any], name: str, *args: Any) -> threading.Thread | None:
-    """A started daemon thread running ``target(*args)``, or None once the interpreter exits.
+    """A started daemon thread running ``target(*args)``, or None where none can start.
 
-    Python 3.12 refuses new threads from ``atexit`` handlers; callers then do
-    the work on their own thread.
+    Python 3.12 refuses new threads from ``atexit`` handlers, and an
+    address-space limit (``ulimit -v``) may leave no room for one; callers then
+    do the work on their own thread.
     """
     if exiting():
         return None

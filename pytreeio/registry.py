@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -523,8 +524,6 @@ class Streamed:
 
     def _little_bytes(self, seen: Callable[[Any], None] | None) -> Any:
         """The array read, ``seen`` called on it, as a flat little-endian uint8 array."""
-        import sys
-
         arr = self.read()
         if seen is not None:
             seen(arr)

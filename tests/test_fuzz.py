@@ -698,7 +698,7 @@ def test_lazy_view_of_a_msgpack_map_with_keys_that_form_no_key_path(tmp_path: Pa
     from pytreeio.fmt import msgpack
 
     arr = np.arange(6, dtype=np.float32)
-    blob = msgpack.encode({"x": {"w": arr}}).tobytes().replace(b"\xa1x", b"\xc0\x90"[:1], 1)
+    blob = msgpack.encode({"x": {"w": arr}}).tobytes().replace(b"\xa1x", b"\xc0", 1)  # key nil
     assert msgpack_lib.unpackb(blob, strict_map_key=False, ext_hook=lambda c, d: d).keys() == {None}
     path = tmp_path / "odd.msgpack"
     path.write_bytes(blob)

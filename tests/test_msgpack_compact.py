@@ -37,9 +37,9 @@ def both(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
     def run() -> Any:
         try:
             with io.FileSource(path) as src:
-                return slot_fields(mp.slots(src).tree), mp.inspect(src).entries
+                return "ok", slot_fields(mp.slots(src).tree), mp.inspect(src).entries
         except ptio.PytreeioError as exc:
-            return type(exc).__name__, getattr(exc, "offset", None)
+            return "refused", type(exc).__name__, getattr(exc, "offset", None)
 
     normal = run()
     with monkeypatch.context() as m:
@@ -76,7 +76,7 @@ def test_the_compact_parse_gives_the_same_slots_and_entries(
     tree = trees()[index]
     ptio.save(path, tree)
     normal, compact = both(path, monkeypatch)
-    assert isinstance(normal, tuple) and isinstance(normal[0], dict)
+    assert normal[0] == "ok" and isinstance(normal[1], dict)
     assert compact == normal
     chunked = tmp_path / "c.msgpack"  # flax's chunked arrays: their parts read as one
     ptio.save(chunked, tree, chunk_bytes=1000)
@@ -95,18 +95,21 @@ def test_broken_files_fail_alike_in_both_parses(
 ) -> None:
     rng = random.Random(11)
     seeds = [mp.encode(t).tobytes() for t in trees()]
-    agree = 0
+    outcomes = {"ok": 0, "refused": 0, "same offset": 0}
     for i in range(300):
         data, _ = fuzz.mutate(rng.choice(seeds), rng)
         path = tmp_path / f"m{i}.msgpack"
         path.write_bytes(data)  # type: ignore[arg-type]
         normal, compact = both(path, monkeypatch)
-        if not isinstance(normal[0], dict):  # refused: the compact parse refuses too
-            assert not isinstance(compact[0], dict), (i, normal, compact)
-            agree += normal == compact
-        else:
+        outcomes[normal[0]] += 1
+        if normal[0] == "ok":
             assert compact == normal, i
-    assert agree > 0
+        else:  # the same kind of error; its offset where both parsers meet it
+            assert compact[:2] == normal[:2], (i, normal, compact)
+            outcomes["same offset"] += compact == normal
+    print(outcomes)
+    assert outcomes["ok"] and outcomes["refused"]
+    assert outcomes["same offset"] >= 0.9 * outcomes["refused"]  # 228 of 234 when written
 
 
 def test_a_foreign_extension_with_the_placeholder_code_is_refused(
@@ -115,4 +118,4 @@ def test_a_foreign_extension_with_the_placeholder_code_is_refused(
     path = tmp_path / "p.msgpack"
     path.write_bytes(b"\x81\xa1a\xd6\x7e\x00\x00\x00\x00")  # {'a': fixext4 of code 126}
     normal, compact = both(path, monkeypatch)
-    assert normal == compact == ("FormatError", 4)
+    assert normal == compact == ("refused", "FormatError", 4)

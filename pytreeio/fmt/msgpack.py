@@ -54,7 +54,7 @@ import struct
 import sys
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import numpy as np
@@ -656,7 +656,7 @@ class _Parser:
         r = self.r
         code = r.u8(field)
         if code == _PLACEHOLDER and self.placeholders is not None and n == 4:
-            return self.placeholders[r.be_u32(field)]  # an array header read by _compact
+            return self.placeholders[r.be_u32(field)]  # an array header read by _Compactor
         body = r.sub(n, field)
         if code in (_EXT_NDARRAY, _EXT_NPSCALAR):
             arr = self.ndarray(body, field)
@@ -1114,8 +1114,37 @@ class _Sparse:
             return None
         return int.from_bytes(self.buf[pos : pos + width], "big")
 
+    keep = ensure
 
-def _walk_framing(sp: _Sparse) -> None:
+    def ext(self, pos: int, body: int, n: int, code: int) -> bool:
+        head = min(n, _ARRAY_HEAD) if code in (_EXT_NDARRAY, _EXT_NPSCALAR) else n
+        return self.ensure(body, head) and body + n <= self.size
+
+    def stop(self, pos: int) -> None:
+        """The walk stopped at ``pos``: its window is in already."""
+
+
+class _Sink(Protocol):
+    """Where :func:`_walk_framing` puts the framing (:class:`_Sparse`, :class:`_Compactor`)."""
+
+    def uint(self, pos: int, width: int) -> int | None:
+        """The big-endian integer at ``pos``, None past the end of the file."""
+        ...
+
+    def keep(self, pos: int, n: int) -> bool:
+        """Framing bytes the parser reads; False if the file ends first."""
+        ...
+
+    def ext(self, pos: int, body: int, n: int, code: int) -> bool:
+        """An extension (``code``; ``n`` bytes of body at ``body``); False to stop."""
+        ...
+
+    def stop(self, pos: int) -> None:
+        """The walk stopped at ``pos`` (the end, or something it does not follow)."""
+        ...
+
+
+def _walk_framing(sp: _Sink) -> None:
     """Read the framing of the msgpack object into ``sp``, skipping array payloads.
 
     Not a validator: it stops at anything it does not follow (an invalid byte,
@@ -1131,49 +1160,48 @@ def _walk_framing(sp: _Sparse) -> None:
         pending[-1] -= 1
         b = sp.uint(pos, 1)
         if b is None:
-            return
+            break
         count: int | None = None
         if b <= 0x7F or b >= 0xE0 or b in (0xC0, 0xC2, 0xC3):
-            pos += 1
+            size = 1
         elif b <= 0x8F:
-            pos, count = pos + 1, 2 * (b & 0x0F)
+            size, count = 1, 2 * (b & 0x0F)
         elif b <= 0x9F:
-            pos, count = pos + 1, b & 0x0F
+            size, count = 1, b & 0x0F
         elif b <= 0xBF:
-            sp.ensure(pos, 1 + (b & 0x1F))
-            pos += 1 + (b & 0x1F)
+            size = 1 + (b & 0x1F)
         elif b in _FIXED_SIZE:
-            sp.ensure(pos, 1 + _FIXED_SIZE[b])
-            pos += 1 + _FIXED_SIZE[b]
+            size = 1 + _FIXED_SIZE[b]
         elif b in _BLOB_WIDTH:
             w = _BLOB_WIDTH[b]
             n = sp.uint(pos + 1, w)
-            if n is None or not sp.ensure(pos + 1 + w, n):
-                return
-            pos += 1 + w + n
+            if n is None:
+                break
+            size = 1 + w + n
         elif b in _EXT_WIDTH or 0xD4 <= b <= 0xD8:
             w = _EXT_WIDTH.get(b, 0)
             n = sp.uint(pos + 1, w) if w else 1 << (b - 0xD4)
             code = sp.uint(pos + 1 + w, 1)
-            if n is None or code is None:
-                return
-            body = pos + 2 + w
-            head = min(n, _ARRAY_HEAD) if code in (_EXT_NDARRAY, _EXT_NPSCALAR) else n
-            if not sp.ensure(body, head) or body + n > sp.size:
-                return
-            pos = body + n
+            if n is None or code is None or not sp.ext(pos, pos + 2 + w, n, code):
+                break
+            pos += 2 + w + n
+            continue
         elif b in _COUNT_WIDTH:
             w, per = _COUNT_WIDTH[b]
             n = sp.uint(pos + 1, w)
             if n is None:
-                return
-            pos, count = pos + 1 + w, per * n
+                break
+            size, count = 1 + w, per * n
         else:
-            return  # 0xC1: the parser reports it
+            break  # 0xC1: the parser reports it
+        if not sp.keep(pos, size):
+            break
+        pos += size
         if count is not None:
             if len(pending) > _MAX_DEPTH + 2:
-                return
+                break
             pending.append(count)
+    sp.stop(pos)
 
 
 # Where no file-sized map can be made (a process under an address-space limit
@@ -1187,17 +1215,22 @@ def _walk_framing(sp: _Sparse) -> None:
 _PLACEHOLDER = 0x7E
 
 
-class _Windows:
-    """Bytes of a source at file offsets, read a window at a time."""
+class _Compactor:
+    """The framing of a msgpack file with its array payloads cut out (see above)."""
 
     def __init__(self, source: ByteSource) -> None:
         self.source = source
         self.size = source.size
-        self.start = 0
+        self.name = source.name
+        self.start = 0  # the window of the file last read, at this offset
         self.data = b""
+        self.out = bytearray()
+        self.end = 0  # the file offset after the last byte copied or cut out
+        self.heads: list[_ArrayHeader] = []
+        self.segments: list[tuple[int, int]] = [(0, 0)]  # (compact, file) offsets of each run
 
     def get(self, pos: int, n: int) -> bytes:
-        """Up to ``n`` bytes at ``pos`` (fewer where the file ends)."""
+        """Up to ``n`` bytes at ``pos`` (fewer where the file ends), a window read at a time."""
         end = min(pos + n, self.size)
         if pos >= end:
             return b""
@@ -1211,26 +1244,24 @@ class _Windows:
         raw = self.get(pos, width)
         return int.from_bytes(raw, "big") if len(raw) == width else None
 
-
-class _Compactor:
-    """The framing of a msgpack file with its array payloads cut out (see above)."""
-
-    def __init__(self, source: ByteSource) -> None:
-        self.w = _Windows(source)
-        self.name = source.name
-        self.out = bytearray()
-        self.heads: list[_ArrayHeader] = []
-        self.segments: list[tuple[int, int]] = [(0, 0)]  # (compact, file) offsets of each run
-
-    def copy(self, pos: int, n: int) -> bool:
-        raw = self.w.get(pos, n)
+    def keep(self, pos: int, n: int) -> bool:
+        raw = self.get(pos, n)
         self.out += raw
+        self.end = pos + len(raw)
         return len(raw) == n
 
-    def array(self, pos: int, body: int, n: int, code: int) -> None:
-        """The array extension at ``pos`` (body at ``body``, ``n`` bytes) as a placeholder."""
-        head = self.w.get(body, min(n, _ARRAY_HEAD))
-        r = Reader(head, source=self.name, start=body)
+    def ext(self, pos: int, body: int, n: int, code: int) -> bool:
+        if code == _PLACEHOLDER:
+            raise FormatError(
+                f"unknown msgpack extension type {code}",
+                path=self.name,
+                field="msgpack",
+                offset=body - 1,
+            )
+        if code not in (_EXT_NDARRAY, _EXT_NPSCALAR) or body + n > self.size:
+            return self.keep(pos, body - pos + n)
+        # the array: its header checked here, the whole extension becomes a placeholder
+        r = Reader(self.get(body, min(n, _ARRAY_HEAD)), source=self.name, start=body)
         shape, dt, nbytes = _fast_array_header(r) or _Parser(r, skip_data=True).array_header(
             r, "msgpack"
         )
@@ -1252,74 +1283,17 @@ class _Compactor:
             h.npscalar = True
         self.out += b"\xd6" + bytes((_PLACEHOLDER,)) + len(self.heads).to_bytes(4, "big")
         self.heads.append(h)
-        self.segments.append((len(self.out), body + n))
+        self.end = body + n
+        self.segments.append((len(self.out), self.end))
+        return True
 
-    def walk(self) -> None:
-        """Copy the framing, as :func:`_walk_framing` reads it; stop where it would."""
-        w, pos = self.w, 0
-        pending = [1]
-        while pending:
-            if pending[-1] == 0:
-                pending.pop()
-                continue
-            pending[-1] -= 1
-            b = w.uint(pos, 1)
-            if b is None:
-                return
-            count: int | None = None
-            if b <= 0x7F or b >= 0xE0 or b in (0xC0, 0xC2, 0xC3):
-                size = 1
-            elif b <= 0x8F:
-                size, count = 1, 2 * (b & 0x0F)
-            elif b <= 0x9F:
-                size, count = 1, b & 0x0F
-            elif b <= 0xBF:
-                size = 1 + (b & 0x1F)
-            elif b in _FIXED_SIZE:
-                size = 1 + _FIXED_SIZE[b]
-            elif b in _BLOB_WIDTH:
-                width = _BLOB_WIDTH[b]
-                n = w.uint(pos + 1, width)
-                if n is None:
-                    break
-                size = 1 + width + n
-            elif b in _EXT_WIDTH or 0xD4 <= b <= 0xD8:
-                width = _EXT_WIDTH.get(b, 0)
-                n = w.uint(pos + 1, width) if width else 1 << (b - 0xD4)
-                code = w.uint(pos + 1 + width, 1)
-                if n is None or code is None:
-                    break
-                body = pos + 2 + width
-                if code in (_EXT_NDARRAY, _EXT_NPSCALAR) and body + n <= w.size:
-                    self.array(pos, body, n, code)  # the whole extension becomes a placeholder
-                    pos = body + n
-                    continue
-                if code == _PLACEHOLDER:
-                    raise FormatError(
-                        f"unknown msgpack extension type {code}",
-                        path=self.name,
-                        field="msgpack",
-                        offset=pos + 1 + width,
-                    )
-                size = 2 + width + n
-            elif b in _COUNT_WIDTH:
-                width, per = _COUNT_WIDTH[b]
-                n = w.uint(pos + 1, width)
-                if n is None:
-                    break
-                size, count = 1 + width, per * n
-            else:
-                break  # 0xC1: the parser reports it
-            if not self.copy(pos, size):
-                return
-            pos += size
-            if count is not None:
-                if len(pending) > _MAX_DEPTH + 2:
-                    break
-                pending.append(count)
-        self.copy(pos, 64)  # where it stopped: the parser meets the real bytes there
+    def stop(self, pos: int) -> None:
+        # where the walk stopped: the parser meets the real bytes there
+        start = max(pos, self.end)
+        self.keep(start, pos + 64 - start)
 
     def file_offset(self, offset: int) -> int:
+        """The file offset of a compact buffer's offset."""
         i = bisect.bisect_right(self.segments, (offset, math.inf)) - 1
         compact, file = self.segments[max(i, 0)]
         return file + offset - compact
@@ -1328,7 +1302,7 @@ class _Compactor:
 def _parse_compact(source: ByteSource, *, summarise: bool = False) -> Any:
     """:func:`_parse` with ``skip_data`` of a file that cannot be mapped whole (see above)."""
     c = _Compactor(source)
-    c.walk()
+    _walk_framing(c)
     try:
         return _parse(
             memoryview(c.out),

@@ -573,11 +573,10 @@ class _CastStreamed(Streamed):
     __slots__ = ("inner",)
 
     def __init__(self, inner: Streamed) -> None:
+        super().__init__(inner.slot, inner.source)
         self.inner = inner
-        self.slot, self.source = inner.slot, inner.source
-        self.shape, self.dtype = inner.shape, np.dtype(np.float32)
-        self.nbytes = 4 * math.prod(inner.shape)
-        self._held, self._pending = None, 0
+        self.dtype = np.dtype(np.float32)
+        self.nbytes = 4 * math.prod(self.shape)
 
     def read(self) -> np.ndarray:
         return np.ascontiguousarray(self.inner.read(), dtype=np.float32)
