@@ -30,17 +30,17 @@ scaling a transposed tile, or casting into one, runs at a fifth of the speed.)
 
 Where numba is installed, arrays of :data:`pytreeio.kernels.MIN_BYTES` or
 more go through compiled kernels instead (one vectorised loop per element,
-float32 with an FMA remainder where exact, float64 elsewhere, then the
-compiled transpose; about three times as fast);
-``PYTREEIO_NO_NUMBA=1`` keeps the numpy blocks.
+float32 with an FMA remainder where exact, float64 elsewhere; a transposed
+result in one fused pass, :func:`pytreeio.kernels.quantise_transposed`;
+about three times as fast); ``PYTREEIO_NO_NUMBA=1`` keeps the numpy blocks.
 
 :class:`Bands` streams quantisation ahead of a file writer (bullet's
 quantised.bin): bands of about :data:`BAND_BYTES`, each computed on one
 thread (a producer thread of its own, or the writer when it would otherwise
 wait), into a bounded set of reused buffers.  A transposed array's bands are
-rows of its transpose: the input's columns quantised row by row (the compiled
-:func:`pytreeio.kernels.quantise_columns`), then transposed as 1-4 byte
-values, which is cheaper than transposing float32.
+rows of its transpose: the input's columns, quantised and transposed in
+tiles (the fused kernel), or by numpy quantised row by row and then
+transposed as 1-4 byte values, which is cheaper than transposing float32.
 """
 
 from __future__ import annotations
@@ -234,6 +234,8 @@ def _compiled(
     x: np.ndarray, scale: int, dtype: np.dtype[Any], round_: bool, transpose_: bool
 ) -> tuple[np.ndarray, float, float]:
     """:func:`quantise` by the compiled kernels, shares of the output on every core."""
+    if transpose_:
+        return _compiled_transposed(x, scale, dtype, round_)
     out = np.empty(x.shape, dtype)
     flat_x, flat_out = x.reshape(-1), out.reshape(-1)
     starts = range(0, flat_x.size, _COMPILED_BLOCK)
@@ -247,11 +249,44 @@ def _compiled(
         return (np.nan, np.nan) if bad else (0.0, 0.0)
 
     lo, hi = _run(len(starts), work)
-    if transpose_:  # a second pass (the compiled transpose): faster than a fused loop
-        q = np.empty(out.shape[::-1], dtype)
-        copy_transposed(out.T, q)
-        out = q
     return out, lo, hi
+
+
+#: Columns of the input (rows of a transposed result) per share of the compiled
+#: kernel's work: its tile width, less where that would leave a core idle.
+_TRANSPOSED_COLUMNS = 1024
+
+
+def _compiled_transposed(
+    x: np.ndarray, scale: int, dtype: np.dtype[Any], round_: bool
+) -> tuple[np.ndarray, float, float]:
+    """The quantised transpose of 2-D ``x`` in one fused pass, bands of its rows on every core."""
+    rows, cols = x.shape
+    out = aligned_empty(x.size * dtype.itemsize).view(dtype).reshape(cols, rows)
+    width = min(_TRANSPOSED_COLUMNS, -(-cols // _PARALLEL_BLOCKS) // 64 * 64 or 64)
+    starts = range(0, cols, width)
+
+    def work(share_: range) -> tuple[float, float]:
+        scratch = kernels.transposed_scratch(dtype)
+        bad = 0
+        for i in share_:
+            c0, c1 = starts[i], min(starts[i] + width, cols)
+            bad += kernels.quantise_transposed(x, c0, c1, out[c0:c1], scratch, scale, round_)
+        return (np.nan, np.nan) if bad else (0.0, 0.0)
+
+    lo, hi = _run(len(starts), work)
+    return out, lo, hi
+
+
+def aligned_empty(nbytes: int, align: int = 64) -> np.ndarray:
+    """An uninitialised uint8 array of ``nbytes`` starting at a multiple of ``align`` bytes.
+
+    numpy aligns data to 16 bytes; the compiled transposes write whole
+    64-byte cache lines with non-temporal stores only where rows start on one.
+    """
+    raw = np.empty(nbytes + align, np.uint8)
+    skip = -raw.ctypes.data % align
+    return raw[skip : skip + nbytes]
 
 
 def _blocks(
@@ -324,7 +359,9 @@ _BAND_ROWS = 256
 #: Transposed bands are this many times :data:`BAND_BYTES`: a band reads a
 #: piece of every row of the input, and pieces under ~4 KB (1024 float32)
 #: read from memory at half speed (each is a new stream for the prefetcher).
-_TRANSPOSED_WIDER = 4
+#: Measured (4096 x 16384 f32 to i16, two threads): 2 -> 3.4 GB/s, 4 -> 4.4,
+#: 8 -> 4.9, 16 -> 4.6.
+_TRANSPOSED_WIDER = 8
 
 
 @dataclass(frozen=True)
@@ -415,19 +452,24 @@ class _State:
         return buf[: band.nbytes]
 
     def _transposed(self, job: BandJob, band: _Band, out: np.ndarray, compiled: bool) -> None:
-        """Rows ``start:stop`` of ``x.T`` quantised: columns of ``x`` into scratch, then transposed."""
+        """Rows ``start:stop`` of ``x.T`` quantised (columns of ``x``): fused, or quantised into scratch and transposed."""
         rows, width = job.x.shape[0], band.stop - band.start
+        out = out.reshape(width, rows)
+        if compiled:
+            scratch = getattr(self.scratch, "tile", None)
+            if scratch is None or scratch.dtype != job.dtype:
+                scratch = self.scratch.tile = kernels.transposed_scratch(job.dtype)
+            kernels.quantise_transposed(
+                job.x, band.start, band.stop, out, scratch, job.scale, job.round_
+            )
+            return
         scratch = getattr(self.scratch, "buf", None)
         if scratch is None or scratch.nbytes < rows * width * job.dtype.itemsize:
             scratch = self.scratch.buf = np.empty(self.buffer_bytes, np.uint8)
         tmp = scratch[: rows * width * job.dtype.itemsize].view(job.dtype).reshape(rows, width)
-        if compiled:
-            kernels.quantise_columns(job.x, band.start, band.stop, tmp, job.scale, job.round_)
-            kernels.transpose(tmp.T, out.reshape(width, rows), 0, width)
-        else:
-            cols = np.ascontiguousarray(job.x[:, band.start : band.stop])
-            _into(cols.reshape(-1), tmp.reshape(-1), job.scale, job.round_, False)
-            copy_transposed(tmp.T, out.reshape(width, rows), parallel=False)
+        cols = np.ascontiguousarray(job.x[:, band.start : band.stop])
+        _into(cols.reshape(-1), tmp.reshape(-1), job.scale, job.round_, False)
+        copy_transposed(tmp.T, out, parallel=False)
 
 
 def _into(x: np.ndarray, out: np.ndarray, scale: int, round_: bool, compiled: bool) -> None:

@@ -140,6 +140,64 @@ def test_register_block_is_a_transpose_for_every_width() -> None:
         assert np.array_equal(out, a.T), nbits
 
 
+@needs_numba
+def test_streaming_register_blocks_give_the_same_bits() -> None:
+    """The non-temporal variant of every block width (16-byte stores on 64-byte aligned rows)."""
+    from pytreeio import _numba_kernels as nk
+
+    @nk.numba.njit
+    def both(a: np.ndarray, out: np.ndarray) -> None:
+        nk._block_stream(a, out, 0, 0)
+        nk._fence()
+
+    for nbits, n in nk.BLOCK.items():
+        dtype = np.dtype(f"u{nbits // 8}")
+        a = (np.arange(n * n, dtype=np.uint64) % 251).astype(dtype).reshape(n, n)
+        rows = quant_host.aligned_empty(n * 64).view(dtype).reshape(n, -1)
+        rows[:] = 0
+        both(a, rows)
+        assert np.array_equal(rows[:, :n], a.T) and not rows[:, n:].any(), nbits
+
+
+@needs_numba
+@pytest.mark.parametrize("type_name,scale", [("i8", 100), ("i16", 255), ("i32", 2**20 + 1)])
+@pytest.mark.parametrize("rnd", [False, True])
+@pytest.mark.parametrize("aligned", [False, True])
+def test_fused_transposed_quantisation_gives_the_definition(
+    type_name: str, scale: int, rnd: bool, aligned: bool
+) -> None:
+    """Tiles cut at every edge: rows past one tile and off the register blocks, columns past one
+    tile, bands starting mid-tile; streamed (64-byte rows) or plain stores; values out of range counted."""
+    from pytreeio import _numba_kernels as nk
+
+    dtype = np.dtype(quant.INT_TYPES[type_name])
+    rows = nk.Q_ROWS + 37 if not aligned else 2 * nk.Q_ROWS  # 2*128 rows: 64-byte multiples
+    cols = nk.Q_COLS + 300
+    rng = np.random.default_rng(scale)
+    info = np.iinfo(dtype)
+    x = (rng.uniform(info.min, info.max, (rows, cols)) / scale).astype(np.float32)
+    x[rng.random(x.shape) < 0.01] = np.float32(0.5 / scale)  # ties
+    v = x.astype(np.float64) * scale
+    want = half_away(v) if rnd else np.trunc(v)
+    fits = (want >= info.min) & (want <= info.max)
+    x[~fits] = 0.0
+    want[~fits] = 0.0
+    bad = [(5, 7), (rows - 1, cols - 1), (nk.Q_ROWS, nk.Q_COLS)]
+    for r, c in bad:
+        x[r, c] = np.nan if r == 5 else np.float32(info.max * 1.01 / scale)
+    out = quant_host.aligned_empty(x.size * dtype.itemsize).view(dtype).reshape(cols, rows)
+    scratch = kernels.transposed_scratch(dtype)
+    cuts = [0, 5, nk.Q_COLS - 3, nk.Q_COLS + 17, cols]
+    counted = 0
+    for c0, c1 in itertools.pairwise(cuts):
+        counted += kernels.quantise_transposed(x, c0, c1, out[c0:c1], scratch, scale, rnd)
+    assert counted == len(bad)
+    got = out.T.astype(np.float64)
+    for r, c in bad:
+        got[r, c] = want[r, c] = 0.0
+    assert np.array_equal(got, want)
+
+
 def test_not_transposable() -> None:
     a = np.zeros((3, 4), ">f4")
     assert not kernels.transposable(a.T, np.empty((4, 3), "<f4"))  # a byte swap: numpy's job
