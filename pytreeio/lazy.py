@@ -36,7 +36,6 @@ from .tree import (
     MISSING,
     LazyLeaf,
     flatten_named,
-    iter_leaves,
     key_string,
     map_leaves,
     parse_key_string,
@@ -309,7 +308,8 @@ class Checkpoint(Mapping[str, Any]):
 
     def _materialize(self, native: Any) -> Any:
         """``native`` with every slot read (large ones on a few threads)."""
-        slots = [leaf for _, leaf in iter_leaves(native) if isinstance(leaf, Slot)]
+        slots: list[Slot] = []
+        map_leaves(lambda x: slots.append(x) if isinstance(x, Slot) else None, native)
         if not slots:
             return native
         large = [s for s in slots if s.reader is None and s.nbytes >= _PARALLEL_SLOT_BYTES]

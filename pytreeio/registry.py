@@ -438,7 +438,9 @@ class Slots:
     ``tree`` is the native tree ``decode`` would return with every array leaf
     replaced by its :class:`Slot` (other leaves -- scalars, strings, None --
     as decode returns them); ``meta`` is decode's meta.  Reading every slot
-    and putting the arrays in place gives ``decode``'s result bit for bit.
+    and putting the arrays in place gives ``decode``'s result bit for bit, in
+    native byte order (where decode keeps a stored big-endian dtype, the
+    slot's array holds the same values byte-swapped to native).
     """
 
     tree: Any

@@ -775,7 +775,15 @@ def _as_kind_of(arr: Any, like: Any) -> Any:
 
 
 def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
-    """``tree`` with every leaf replaced by ``fn(leaf)`` (same node types; ``None`` kept)."""
+    """``tree`` with every leaf replaced by ``fn(leaf)`` (same node types; ``None`` kept).
+
+    A plain dict with keys that form no key path (msgpack's None, 1.5) is
+    mapped as it is, its keys in their order.
+    """
+    if type(tree) is dict and not all(
+        isinstance(k, str | int) and not isinstance(k, bool) for k in tree
+    ):
+        return {k: map_leaves(fn, v) for k, v in tree.items()}
     kids = node_children(tree)
     if kids is None:
         return fn(tree)

@@ -22,6 +22,9 @@ stages of the public functions (see :func:`_run_one`):
   ``restore`` into a ``like`` tree built from the seed's own decoding -- the
   two halves of ``pytreeio.decode(data, fmt, like=like)``;
 * ``inspect`` (``pytreeio.api.inspect_buffer``);
+* ``slots`` -- what ``ptio.open`` and streaming conversions rest on: the
+  format's ``slots`` and every slot read, which must give ``decode``'s tree bit
+  for bit where ``decode`` accepted the input (see :func:`_slots`);
 * ``verify`` -- what ``ptio.verify`` adds: decode with ``verify=True`` where
   the format takes it (safetensors' per-tensor checksums, bullet's quantised
   copy), a directory's manifest (``pytreeio-sum.json``, checked on the
@@ -1579,7 +1582,50 @@ def _verify(fmt: registry.Format, data: Input, native: Any, options: Mapping[str
 
 
 #: The stages of one input, in order (see :func:`_run_one`).
-STAGES = ("sniff", "decode", "inspect", "verify", "restore", "to_model")
+def _slots(fmt: registry.Format, data: Input, native: Any, options: Mapping[str, Any]) -> None:
+    """What ``ptio.open`` and streaming conversions do: ``slots``, then every slot read.
+
+    Where ``decode`` accepted the input too, the slots must read back
+    ``decode``'s tree bit for bit (the :class:`pytreeio.registry.Slots`
+    contract: in native byte order, where decode may keep a stored one); a
+    difference is an AssertionError, so a failure.
+    """
+    import numpy as np
+
+    from pytreeio import api
+    from pytreeio.binary import BufferSource
+    from pytreeio.tree import flatten_named, map_leaves
+
+    if isinstance(data, Mapping):
+        source: Any = {k: BufferSource(v, name=k) for k, v in data.items()}
+    else:
+        source = BufferSource(data, name="input")
+    slots = api._call(fmt.slots, fmt, options, source)
+    read = map_leaves(lambda x: x.read(source) if isinstance(x, registry.Slot) else x, slots.tree)
+    if native is None:
+        return
+    got, want = flatten_named(read), flatten_named(native)
+    if list(got) != list(want):
+        raise AssertionError(f"slots name {sorted(got)[:5]}..., decode {sorted(want)[:5]}...")
+    for key, w in want.items():
+        g = got[key]
+        if isinstance(w, np.ndarray) or isinstance(g, np.ndarray):
+            # slots give native byte order where decode may keep a stored '>f4' (Slot's contract)
+            same = (
+                isinstance(g, np.ndarray)
+                and isinstance(w, np.ndarray)
+                and g.dtype.newbyteorder("=") == w.dtype.newbyteorder("=")
+                and g.shape == w.shape
+                and g.astype(g.dtype.newbyteorder("=")).tobytes()
+                == w.astype(w.dtype.newbyteorder("=")).tobytes()
+            )
+        else:
+            same = type(g) is type(w) and repr(g) == repr(w)
+        if not same:
+            raise AssertionError(f"slot {key!r} reads {g!r:.80}, decode gives {w!r:.80}")
+
+
+STAGES = ("sniff", "decode", "inspect", "slots", "verify", "restore", "to_model")
 
 
 def _run_one(
@@ -1614,6 +1660,8 @@ def _run_one(
             continue  # nothing to check beyond the decode that failed
         if stage == "to_model" and getattr(fmt, "to_model", None) is None:
             continue
+        if stage == "slots" and fmt.slots is None:
+            continue
         left = end - time.monotonic()
         if left <= 0:
             yield stage, _Timeout(f"no time left of {deadline} s for this input")
@@ -1626,6 +1674,8 @@ def _run_one(
                     native, meta = api._call(fmt.decode, fmt, opts, api._as_source(data))
                 elif stage == "inspect":
                     api.inspect_buffer(data, fmt)
+                elif stage == "slots":
+                    _slots(fmt, data, native, opts)
                 elif stage == "verify":
                     _verify(fmt, data, native, opts)
                 elif stage == "restore":

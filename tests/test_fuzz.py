@@ -201,7 +201,7 @@ def test_waffe2_type_specifier_with_a_bound_of_too_many_digits() -> None:
     for bound in ("9" * 5000, "-" + "9" * 5000):
         key = f"optimizer:linearlayer.0.weights.adam.(integer 0 {bound}).n"
         outcomes = _all_stages_raise_pytreeio_errors(waffe2.FORMAT, _wf2_dir({key: "3"}))
-        assert outcomes == ["decode:FormatError", "inspect:FormatError"]
+        assert outcomes == ["decode:FormatError", "inspect:FormatError", "slots:FormatError"]
 
 
 def test_waffe2_float_entry_holding_an_integer_beyond_any_float() -> None:
@@ -211,7 +211,7 @@ def test_waffe2_float_entry_holding_an_integer_beyond_any_float() -> None:
     key = "optimizer:linearlayer.0.weights.adam.single-float.lr"
     for value in ("1" + "0" * 400, "-" + "1" * 320):
         outcomes = _all_stages_raise_pytreeio_errors(waffe2.FORMAT, _wf2_dir({key: value}))
-        assert outcomes == ["decode:FormatError", "inspect:FormatError"]
+        assert outcomes == ["decode:FormatError", "inspect:FormatError", "slots:FormatError"]
     native, _ = waffe2.decode(_wf2_dir({key: "1" + "0" * 300}))  # a big float is still a float
     assert native["optimizer"]["linearlayer"]["0"]["weights"]["adam"]["lr"] == 1e300
 
@@ -274,6 +274,30 @@ def test_fuzzer_reports_foreign_exceptions_with_the_saved_input(tmp_path: Path) 
     assert failure.stage == "decode" and "IndexError" in failure.error
     assert failure.saved is not None and failure.saved.read_bytes()[0] != 0
     assert "mutations" in str(failure) and "IndexError" in report.summary()
+
+
+def test_fuzzer_checks_slots_against_decode(tmp_path: Path) -> None:
+    """A slots function that reads other bytes than decode returns fails the ``slots`` stage."""
+    from pytreeio.registry import Slot, Slots
+
+    def decode(buffer: Any) -> Decoded:
+        return Decoded({"n": np.frombuffer(bytes(buffer), np.uint8).copy()}, {})
+
+    def slots(source: Any, *, off_by_one: bool) -> Slots:
+        n = source.size
+        if off_by_one and n > 1 and source.read(0, 1, "first")[0] == 0xFF:
+            n -= 1  # the bug: a lying slot on inputs that start with 0xFF
+        return Slots({"n": Slot("n", 0, n, (n,), np.uint8)}, {})
+
+    good = _toy(decode)._replace(slots=lambda source: slots(source, off_by_one=False))
+    report = fuzz_format(good, [bytes(8)], 60, 0, save_dir=tmp_path)
+    assert not report.failures, report.summary()
+    assert report.outcomes["slots:ok"] == 60
+    bad = _toy(decode)._replace(slots=lambda source: slots(source, off_by_one=True))
+    report = fuzz_format(bad, [bytes(8)], 300, 0, save_dir=tmp_path)
+    failures = [f for f in report.failures if f.stage == "slots"]
+    assert failures and all("AssertionError" in f.error for f in failures)
+    assert all(f.saved is not None and f.saved.read_bytes()[0] == 0xFF for f in failures)
 
 
 def test_fuzzer_times_out_hanging_decoders(tmp_path: Path) -> None:
@@ -705,4 +729,6 @@ def test_lazy_view_of_a_msgpack_map_with_keys_that_form_no_key_path(tmp_path: Pa
     with ptio.open(path) as view:
         assert list(view) == ["None/w"]
         assert np.array_equal(view["None/w"], arr)
+        whole = view.load()  # the slot tree walked with its None key kept (was a TypeError)
+        assert list(whole) == [None] and np.array_equal(whole[None]["w"], arr)
     assert np.array_equal(ptio.load(path)[None]["w"], arr)
