@@ -19,6 +19,10 @@ the same run (absolute numbers drift on shared machines; ratios mean more):
   blocks (``PYTREEIO_NO_NUMBA=1``) or onto the compiled kernels
   (:mod:`pytreeio.kernels`; skipped when numba is not installed), and the
   same for a bare transpose copy (``copy_transposed``) of the input;
+* ``pytreeio + transpose (into buf)``: the fused transposing kernel
+  (:func:`pytreeio.kernels.quantise_transposed`) on every core into a preallocated,
+  cache-line aligned result, as memcpy's destination is (a new array's pages
+  are faulted in and zeroed by the kernel first, as ``np.copy (fresh buffer)`` shows);
 * ``pytreeio range check``: :func:`pytreeio.quant.check_quantisable` alone (the pass a
   streaming writer makes before writing anything); ``pytreeio bands``: the same quantisation
   streamed in bands (:func:`pytreeio.quant.quantise_bands`: a producer thread, the taker
@@ -43,7 +47,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pytreeio import kernels, quant, transpose
+from pytreeio import kernels, quant, quant_host, transpose
 
 
 def numpy_quantise(x: np.ndarray, scale: int, transpose: bool) -> np.ndarray:
@@ -54,6 +58,25 @@ def numpy_quantise(x: np.ndarray, scale: int, transpose: bool) -> np.ndarray:
         raise OverflowError("does not fit")
     q = t.astype(np.int16)
     return np.ascontiguousarray(q.T) if transpose else q
+
+
+def fused_into(x: np.ndarray, out: np.ndarray) -> None:
+    """The fused transposing kernel into a preallocated, cache-line aligned result (as memcpy's
+    destination is preallocated): bands of 1024 columns interleaved over the copy pool's threads."""
+    cols = x.shape[1]
+    starts = list(range(0, cols, 1024))
+    n = transpose.threads()
+
+    def work(share: list[int]) -> None:
+        scratch = kernels.transposed_scratch(np.dtype(np.int16))
+        for c0 in share:
+            c1 = min(c0 + 1024, cols)
+            kernels.quantise_transposed(x, c0, c1, out[c0:c1], scratch, 255, True)
+
+    jobs = [transpose.pool().submit(work, starts[k::n]) for k in range(1, n)]
+    work(starts[::n])
+    for job in jobs:
+        job.result()
 
 
 def best_of(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
@@ -165,6 +188,9 @@ def main() -> None:
         cases[f"copy_transposed f32 {label}"] = backend(
             numba, lambda: transpose.copy_transposed(x.T, t_out)
         )
+    if kernels.available():
+        q_out = quant_host.aligned_empty(x.size * 2).view(np.int16).reshape(x.shape[::-1])
+        cases["pytreeio + transpose (into buf)"] = lambda: fused_into(x, q_out)
     if args.host_only:
         cases = {k: v for k, v in cases.items() if "device" not in k}
     # the implementations agree before anything is timed
