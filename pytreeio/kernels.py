@@ -15,10 +15,10 @@ integer and half-integer products (twice the SIMD width of float64, which
 the float64 loop needs per element), redoing in float64 the 4096-value
 chunks that hold a value float32 cannot place (beyond ``2**22 - 1`` or
 outside the type, NaN, inf); other scales in float64 throughout.  Values
-that do not fit are stored as arbitrary values.  :func:`quantise_columns`
-does the same on a band of columns of a matrix, :func:`quantise_transposed`
-writes such a band as rows of the transposed result in the same pass, and
-:func:`min_max` takes a range check's extremes in one integer pass.
+that do not fit are stored as arbitrary values.  :func:`quantise_transposed`
+does the same on a band of columns of a matrix, written as rows of the
+transposed result in the same pass, and :func:`min_max` takes a range
+check's extremes in one integer pass.
 
 :func:`available` is false, and callers keep their numpy paths, when numba
 does not import, when ``PYTREEIO_NO_NUMBA=1`` is set, or when loading the
@@ -48,7 +48,6 @@ __all__ = [
     "use",
     "ready",
     "quantise",
-    "quantise_columns",
     "quantise_transposed",
     "transposed_scratch",
     "min_max",
@@ -189,15 +188,6 @@ def quantise(x: np.ndarray, out: np.ndarray, scale: int, round_: bool) -> int:
     return int(kernel(x, out, float(scale), *_bounds(out.dtype)))
 
 
-def quantise_columns(
-    x: np.ndarray, c0: int, c1: int, out: np.ndarray, scale: int, round_: bool
-) -> int:
-    """:func:`quantise` of ``x[:, c0:c1]`` (2-D C-order float32) into 2-D ``out``; returns how many do not fit."""
-    lo, hi = _bounds(out.dtype)
-    k = _kernels()
-    return int(k.quantise_columns(x, int(c0), int(c1), out, float(scale), lo, hi, bool(round_)))
-
-
 def quantise_transposed(
     x: np.ndarray,
     c0: int,
@@ -207,13 +197,14 @@ def quantise_transposed(
     scale: int,
     round_: bool,
 ) -> int:
-    """Rows ``c0:c1`` of the quantised transpose of ``x`` (2-D C-order float32) into ``out``; returns how many do not fit.
+    """Rows ``c0:c1`` of the quantised transpose of ``x`` (2-D C-order float32); returns how many do not fit.
 
     ``out[c - c0, r] = q(x[r, c])``: ``out`` is ``(c1 - c0, rows)`` with
-    contiguous rows; ``scratch`` is :func:`transposed_scratch` (one per thread).  One pass: tiles of ``x`` quantised into
-    the scratch, transposed out of it.  Where ``out`` and its row stride are
-    64-byte aligned it is written with non-temporal stores (whole cache
-    lines go to memory without being read first).
+    contiguous rows; ``scratch`` is :func:`transposed_scratch` (one per
+    thread).  One pass: tiles of ``x`` quantised into the scratch, transposed
+    out of it.  Where ``out`` and its row stride are 64-byte aligned it is
+    written with non-temporal stores (whole cache lines go to memory without
+    being read first).
     """
     lo, hi = _bounds(out.dtype)
     k = _kernels()

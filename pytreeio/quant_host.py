@@ -258,11 +258,23 @@ _TRANSPOSED_COLUMNS = 1024
 
 
 def _compiled_transposed(
-    x: np.ndarray, scale: int, dtype: np.dtype[Any], round_: bool
+    x: np.ndarray,
+    scale: int,
+    dtype: np.dtype[Any],
+    round_: bool,
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, float, float]:
-    """The quantised transpose of 2-D ``x`` in one fused pass, bands of its rows on every core."""
+    """The quantised transpose of 2-D ``x`` in one fused pass, bands of its rows on every core.
+
+    Into ``out`` (C-contiguous, ``x``'s transposed shape, ``dtype``) when
+    given, else into a new array aligned for non-temporal stores.
+    """
     rows, cols = x.shape
-    out = aligned_empty(x.size * dtype.itemsize).view(dtype).reshape(cols, rows)
+    result = (
+        aligned_empty(x.size * dtype.itemsize).view(dtype).reshape(cols, rows)
+        if out is None
+        else out
+    )
     width = min(_TRANSPOSED_COLUMNS, -(-cols // _PARALLEL_BLOCKS) // 64 * 64 or 64)
     starts = range(0, cols, width)
 
@@ -271,11 +283,11 @@ def _compiled_transposed(
         bad = 0
         for i in share_:
             c0, c1 = starts[i], min(starts[i] + width, cols)
-            bad += kernels.quantise_transposed(x, c0, c1, out[c0:c1], scratch, scale, round_)
+            bad += kernels.quantise_transposed(x, c0, c1, result[c0:c1], scratch, scale, round_)
         return (np.nan, np.nan) if bad else (0.0, 0.0)
 
     lo, hi = _run(len(starts), work)
-    return out, lo, hi
+    return result, lo, hi
 
 
 def aligned_empty(nbytes: int, align: int = 64) -> np.ndarray:

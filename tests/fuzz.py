@@ -1581,7 +1581,6 @@ def _verify(fmt: registry.Format, data: Input, native: Any, options: Mapping[str
         checksum.nonfinite_counts(native)
 
 
-#: The stages of one input, in order (see :func:`_run_one`).
 def _slots(fmt: registry.Format, data: Input, native: Any, options: Mapping[str, Any]) -> None:
     """What ``ptio.open`` and streaming conversions do: ``slots``, then every slot read.
 
@@ -1625,6 +1624,7 @@ def _slots(fmt: registry.Format, data: Input, native: Any, options: Mapping[str,
             raise AssertionError(f"slot {key!r} reads {g!r:.80}, decode gives {w!r:.80}")
 
 
+#: The stages of one input, in order (see :func:`_run_one`).
 STAGES = ("sniff", "decode", "inspect", "slots", "verify", "restore", "to_model")
 
 

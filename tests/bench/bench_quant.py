@@ -60,25 +60,6 @@ def numpy_quantise(x: np.ndarray, scale: int, transpose: bool) -> np.ndarray:
     return np.ascontiguousarray(q.T) if transpose else q
 
 
-def fused_into(x: np.ndarray, out: np.ndarray) -> None:
-    """The fused transposing kernel into a preallocated, cache-line aligned result (as memcpy's
-    destination is preallocated): bands of 1024 columns interleaved over the copy pool's threads."""
-    cols = x.shape[1]
-    starts = list(range(0, cols, 1024))
-    n = transpose.threads()
-
-    def work(share: list[int]) -> None:
-        scratch = kernels.transposed_scratch(np.dtype(np.int16))
-        for c0 in share:
-            c1 = min(c0 + 1024, cols)
-            kernels.quantise_transposed(x, c0, c1, out[c0:c1], scratch, 255, True)
-
-    jobs = [transpose.pool().submit(work, starts[k::n]) for k in range(1, n)]
-    work(starts[::n])
-    for job in jobs:
-        job.result()
-
-
 def best_of(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
     """The fastest time of each function, the functions run round-robin."""
     best = dict.fromkeys(fns, float("inf"))
@@ -190,7 +171,9 @@ def main() -> None:
         )
     if kernels.available():
         q_out = quant_host.aligned_empty(x.size * 2).view(np.int16).reshape(x.shape[::-1])
-        cases["pytreeio + transpose (into buf)"] = lambda: fused_into(x, q_out)
+        cases["pytreeio + transpose (into buf)"] = lambda: quant_host._compiled_transposed(
+            x, 255, np.dtype(np.int16), True, out=q_out
+        )
     if args.host_only:
         cases = {k: v for k, v in cases.items() if "device" not in k}
     # the implementations agree before anything is timed
