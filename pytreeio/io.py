@@ -750,9 +750,29 @@ class PartWriter:
         self.close()
 
 
+#: A directory holding at least this many bytes, in at least two files of at least
+#: :data:`_PARALLEL_FILE_MIN`, is written on one thread per core (a file each at a time).
+#: Page-cache writes of different files run in parallel where one file's do not (the
+#: kernel serialises writes to one inode).  Measured on 2 cores against one raw writer:
+#: bullet's raw save 0.87x -> 1.35x, its quantised save 0.76x -> 0.98x, and cl-waffe2's
+#: (transposed weights, each band made by the writing thread, still in its cache when
+#: written) 0.71x -> 0.80x.
+_PARALLEL_DIR_MIN = 64 << 20
+_PARALLEL_FILE_MIN = 4 << 20
+
+_WRITE_POOL = LazyPool("pytreeio-write")
+
+
 def _populate_dir(root: Path, encoded: Encoded, durable: bool) -> None:
+    """Write every file of ``encoded`` under ``root`` (a fresh directory), several at a time when large.
+
+    Files are taken largest first by :func:`_file_writers` threads.  A
+    streaming conversion into a directory then holds one tensor per writing
+    thread instead of one in all.
+    """
     assert encoded.files is not None
     made: set[Path] = {root}
+    targets: list[tuple[Path, Encoded]] = []
     for rel, sub in encoded.files.items():
         target = root.joinpath(*rel.split("/"))
         if root not in target.parents or ".." in rel.split("/"):
@@ -760,10 +780,33 @@ def _populate_dir(root: Path, encoded: Encoded, durable: bool) -> None:
         if target.parent not in made:
             target.parent.mkdir(parents=True, exist_ok=True)
             made.add(target.parent)
-        _write_new_file(target, sub, durable)
+        targets.append((target, sub))
+    workers = _file_writers([sub.nbytes for _, sub in targets])
+    if workers > 1:
+        from .pools import share, taking_cores
+
+        def write(item: tuple[Path, Encoded]) -> None:
+            with taking_cores():
+                _write_new_file(item[0], item[1], durable)
+
+        targets.sort(key=lambda t: t[1].nbytes, reverse=True)
+        share(_WRITE_POOL.get(), workers, write, targets)
+    else:
+        for target, sub in targets:
+            _write_new_file(target, sub, durable)
     if durable:
         for d in sorted(made, key=lambda p: len(p.parts), reverse=True):
             _fsync_dir(d)
+
+
+def _file_writers(sizes: Sequence[int]) -> int:
+    """Threads to write files of ``sizes`` with: one per core when several files are large."""
+    from .pools import cores
+
+    large = sum(1 for n in sizes if n >= _PARALLEL_FILE_MIN)
+    if large < 2 or sum(sizes) < _PARALLEL_DIR_MIN:
+        return 1
+    return min(cores(), large)
 
 
 def _renameat2_exchange() -> Any:

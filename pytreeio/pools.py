@@ -19,14 +19,25 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future, ThreadPoolExecutor
+    from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
-__all__ = ["LazyPool", "cores", "exiting", "new_pool", "start_daemon"]
+__all__ = [
+    "LazyPool",
+    "cores",
+    "cores_taken",
+    "exiting",
+    "new_pool",
+    "share",
+    "start_daemon",
+    "taking_cores",
+]
+
+_T = TypeVar("_T")
 
 
 def exiting() -> bool:
@@ -160,3 +171,72 @@ class LazyPool:
     def _forget(self) -> None:
         # the parent's lock may have been held by one of its threads at the fork
         self._pool, self._lock = None, threading.Lock()
+
+
+def share(pool: Executor, workers: int, fn: Callable[[Any], _T], jobs: Sequence[Any]) -> list[_T]:
+    """``[fn(job) for job in jobs]``, run by this thread and ``workers - 1`` of the pool's threads.
+
+    Each thread takes the next job as it frees up (one hand-off per thread,
+    not per job, and no job queued behind a busy thread while another
+    idles), this one included instead of waiting.  The first failure stops
+    every thread from taking another job and is raised once none runs: no
+    job still uses the caller's buffers when this returns or raises.
+    """
+    from concurrent.futures import wait
+
+    results: list[Any] = [None] * len(jobs)
+    order = iter(range(len(jobs)))  # next() on it is atomic under the GIL
+    stop: list[bool] = []
+
+    def work() -> None:
+        try:
+            for j in order:
+                if stop:
+                    return
+                results[j] = fn(jobs[j])
+        except BaseException:
+            stop.append(True)
+            raise
+
+    helpers = [pool.submit(work) for _ in range(min(workers, len(jobs)) - 1)]
+    try:
+        work()
+    finally:
+        # A helper still queued behind other work on the pool has nothing left to do: it is
+        # cancelled, and not waited for (a cancelled future counts as done only once a pool
+        # thread dequeues it).
+        wait([f for f in helpers if not f.cancel()])
+    for f in helpers:
+        if not f.cancelled():
+            f.result()  # a helper's failure
+    return results
+
+
+# --------------------------------------------------------------------------
+# threads that already keep every core busy
+# --------------------------------------------------------------------------
+
+_taking = threading.local()
+
+
+@contextlib.contextmanager
+def taking_cores() -> Iterator[None]:
+    """Mark this thread, for the block, as one of a set that already keeps every core busy.
+
+    :mod:`pytreeio.io` writes a directory's files on one thread per core;
+    work that would otherwise go to helper threads (a
+    :class:`~pytreeio.transpose.Pipeline` making buffers ahead of its writer)
+    then runs on the marked thread itself, where its result is still in the
+    core's cache when it is written, instead of contending for the same cores.
+    """
+    before = getattr(_taking, "on", False)
+    _taking.on = True
+    try:
+        yield
+    finally:
+        _taking.on = before
+
+
+def cores_taken() -> bool:
+    """Whether this thread runs inside :func:`taking_cores`."""
+    return bool(getattr(_taking, "on", False))

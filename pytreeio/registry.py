@@ -458,7 +458,9 @@ class Deferred:
 
     ``produce()`` returns exactly ``nbytes`` bytes (any buffer); :mod:`pytreeio.io`
     calls it once, writes the result and drops it before the next chunk, so an
-    encoding of :class:`Streamed` arrays holds at most one of them at a time.
+    encoding of :class:`Streamed` arrays holds at most one of them at a time per
+    file being written (a large directory's files are written by one thread per
+    core, each producing its own file's chunks, in order).
     A consumer must be done with a result before the same thread produces the
     next chunk of the same encoding: an encoder may then reuse the buffer
     (cl-waffe2's bands do; bullet's once any next band is taken).  A

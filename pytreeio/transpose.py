@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import kernels
-from .pools import LazyPool, cores
+from .pools import LazyPool, cores, cores_taken
 
 if TYPE_CHECKING:  # not at run time: the module cannot be imported once the interpreter exits
     from concurrent.futures import ThreadPoolExecutor
@@ -62,7 +62,9 @@ def _tiles(src: np.ndarray, dst: np.ndarray, start: int, stop: int) -> None:
         dst[i:j] = src[i:j]
 
 
-def copy_transposed(view: np.ndarray, out: np.ndarray, *, parallel: bool = True) -> None:
+def copy_transposed(
+    view: np.ndarray, out: np.ndarray, *, parallel: bool = True, array_nbytes: int | None = None
+) -> None:
     """``out[...] = view`` for a C-contiguous ``out`` and a strided (transposed) ``view``.
 
     A 2-D view whose columns are closer in memory than its rows is copied in
@@ -70,6 +72,8 @@ def copy_transposed(view: np.ndarray, out: np.ndarray, *, parallel: bool = True)
     ``parallel`` (the calling thread does one share; a caller that already
     runs on the pool passes ``parallel=False``).  Other layouts go through
     ``np.copyto``.  ``out`` may differ from ``view`` in byte order only.
+    ``array_nbytes``: the bytes of the whole array when ``view`` is one band
+    of it (the compiled kernel is worth loading for a large array's small bands).
     """
     if view.shape != out.shape:
         raise ValueError(f"shapes differ: {view.shape} into {out.shape}")
@@ -77,7 +81,8 @@ def copy_transposed(view: np.ndarray, out: np.ndarray, *, parallel: bool = True)
         np.copyto(out, view, casting="equiv")
         return
     parts = threads() if parallel and view.nbytes >= _PARALLEL_MIN else 1
-    if kernels.transposable(view, out) and kernels.use(view.nbytes):
+    whole = view.nbytes if array_nbytes is None else array_nbytes
+    if kernels.transposable(view, out) and kernels.use(whole):
         _compiled(view, out, parts)
         return
     src, dst = view.T, out.T  # src rows are (nearly) contiguous runs of the source
@@ -125,6 +130,9 @@ class Pipeline:
     than one core makes buffers keeps every core busy to the end.  A
     consumer that takes out of order, or again, still gets the right buffer
     (made on demand); a maker's exception comes out of the ``take`` of its index.
+    A consumer inside :func:`pytreeio.pools.taking_cores` (one of several file
+    writers, a thread per core) makes each buffer itself when it takes it:
+    there is no idle core to make it ahead on.
     """
 
     def __init__(
@@ -144,6 +152,10 @@ class Pipeline:
         self._lock = threading.Lock()
 
     def take(self, i: int) -> Any:
+        if cores_taken():
+            with self._lock:
+                job = self._jobs.pop(i, None)
+            return self._makers[i]() if job is None else job.result()
         with self._lock:
             job = self._jobs.pop(i, None)
             if job is None and i >= self._next:

@@ -50,13 +50,13 @@ import re
 import struct
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Executor, wait
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from . import crc as _crc
 from .binary import Buffer, ByteSource, Reader, Writer, as_memoryview
 from .errors import EncodeError, FormatError
+from .pools import share
 from .registry import Deferred
 
 __all__ = [
@@ -111,7 +111,6 @@ _DOSDATE_1980 = (0 << 9) | (1 << 5) | 1
 _MAX_COMMENT = 0xFFFF
 _INFLATE_STEP = 1 << 16  # compressed bytes fed to zlib at a time when only a prefix is wanted
 _DRIVE = re.compile(r"^[A-Za-z]:[\\/]")
-_T = TypeVar("_T")
 
 
 def _error(source: ByteSource, reason: str, field: str, offset: int | None) -> FormatError:
@@ -610,7 +609,7 @@ def read_archive(
     if workers == 1:
         results = [run(p) for p in pieces]
     else:
-        results = _share(_crc.pool(), workers, run, pieces)
+        results = share(_crc.pool(), workers, run, pieces)
     per_member: dict[int, list[tuple[int, int]]] = {i: [] for i in hashed}
     for found in results:  # pieces in file order
         for i, c, n in found:
@@ -660,43 +659,6 @@ def _split(
         pieces.append((a, b, segments))
         a = b
     return pieces
-
-
-def _share(pool: Executor, workers: int, fn: Callable[[Any], _T], jobs: Sequence[Any]) -> list[_T]:
-    """``[fn(job) for job in jobs]``, run by this thread and ``workers - 1`` of the pool's threads.
-
-    Each thread takes the next job as it frees up (one hand-off per thread,
-    not per job, and no job queued behind a busy thread while another
-    idles), this one included instead of waiting.  The first failure stops
-    every thread from taking another job and is raised once none runs: no
-    job still uses the caller's buffers when this returns or raises.
-    """
-    results: list[Any] = [None] * len(jobs)
-    order = iter(range(len(jobs)))  # next() on it is atomic under the GIL
-    stop: list[bool] = []
-
-    def work() -> None:
-        try:
-            for j in order:
-                if stop:
-                    return
-                results[j] = fn(jobs[j])
-        except BaseException:
-            stop.append(True)
-            raise
-
-    helpers = [pool.submit(work) for _ in range(min(workers, len(jobs)) - 1)]
-    try:
-        work()
-    finally:
-        # A helper still queued behind other work on the pool has nothing left to do: it is
-        # cancelled, and not waited for (a cancelled future counts as done only once a pool
-        # thread dequeues it).
-        wait([f for f in helpers if not f.cancel()])
-    for f in helpers:
-        if not f.cancelled():
-            f.result()  # a helper's failure
-    return results
 
 
 def _inflate(source: ByteSource, m: ZipMember, raw: memoryview) -> memoryview:

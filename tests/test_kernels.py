@@ -141,22 +141,57 @@ def test_register_block_is_a_transpose_for_every_width() -> None:
 
 
 @needs_numba
-def test_streaming_register_blocks_give_the_same_bits() -> None:
-    """The non-temporal variant of every block width (16-byte stores on 64-byte aligned rows)."""
+def test_streaming_and_side_by_side_register_blocks_give_the_same_bits() -> None:
+    """Every block width, plain and non-temporal (16-byte stores on 64-byte aligned rows), one
+    block and two side by side (``out[i:i+n, j:j+2n]``): nothing written outside its block."""
     from pytreeio import _numba_kernels as nk
 
     @nk.numba.njit
-    def both(a: np.ndarray, out: np.ndarray) -> None:
+    def one(a: np.ndarray, out: np.ndarray) -> None:
         nk._block_stream(a, out, 0, 0)
         nk._fence()
 
+    @nk.numba.njit
+    def two(a: np.ndarray, out: np.ndarray, stream: bool) -> None:
+        if stream:
+            nk._block2_stream(a, out, 0, 0)
+            nk._fence()
+        else:
+            nk._block2(a, out, 0, 0)
+
     for nbits, n in nk.BLOCK.items():
         dtype = np.dtype(f"u{nbits // 8}")
-        a = (np.arange(n * n, dtype=np.uint64) % 251).astype(dtype).reshape(n, n)
-        rows = quant_host.aligned_empty(n * 64).view(dtype).reshape(n, -1)
+        a = (np.arange(2 * n * n, dtype=np.uint64) % 251).astype(dtype).reshape(2 * n, n)
+        rows = quant_host.aligned_empty(n * 128).view(dtype).reshape(n, -1)
         rows[:] = 0
-        both(a, rows)
-        assert np.array_equal(rows[:, :n], a.T) and not rows[:, n:].any(), nbits
+        one(a[:n], rows)
+        assert np.array_equal(rows[:, :n], a[:n].T) and not rows[:, n:].any(), nbits
+        for stream in (False, True):
+            rows[:] = 0
+            two(a, rows, stream)
+            assert np.array_equal(rows[:, : 2 * n], a.T), (nbits, stream)
+            assert not rows[:, 2 * n :].any(), (nbits, stream)
+
+
+@needs_numba
+@pytest.mark.parametrize("bits", [np.uint8, np.uint16, np.uint32, np.uint64])
+def test_side_by_side_and_single_blocks_both_give_numpy_bits(bits: type) -> None:
+    """Sources whose rows are close (side-by-side blocks), far apart with out's rows within a
+    line of a 4 KiB multiple apart (side by side), and far apart elsewhere (single blocks)."""
+    size = np.dtype(bits).itemsize
+    rng = np.random.default_rng(size)
+    for shape in (
+        (700, 96 // size + 1),  # a's rows close: side by side
+        (8192 // size + 1, 640 // size + 3),  # out's rows 8 KiB + one value apart
+        (8192 // size - 1, 640 // size + 3),  # ... and one value short of it
+        (3000 // size + 5, 1000 // size + 7),  # neither: single blocks
+    ):
+        a = rng.integers(0, np.iinfo(bits).max, shape, dtype=bits)
+        out = np.zeros(a.T.shape, a.dtype)
+        half = out.shape[0] // 2
+        kernels.transpose(a.T, out, 0, half)
+        kernels.transpose(a.T, out, half, out.shape[0])
+        assert out.tobytes() == a.T.copy().tobytes(), shape
 
 
 @needs_numba

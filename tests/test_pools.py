@@ -94,3 +94,54 @@ def test_jobs_go_to_the_threads_that_could_start(monkeypatch: pytest.MonkeyPatch
     assert pools.start_daemon(lambda: None, "pytreeio-test-daemon") is None  # caller does the work
     with pytest.raises(RuntimeError):
         pool.submit(job, 7)  # after shutdown: still an error
+
+
+# -- share: jobs run by this thread and pool helpers --------------------------
+
+
+def test_shared_jobs_run_once_each_in_order_of_results() -> None:
+    pool = crc.pool()
+    for workers in (2, crc.threads() + 1):
+        assert pools.share(pool, workers, lambda j: j * j, list(range(100))) == [
+            j * j for j in range(100)
+        ]
+
+
+def test_shared_jobs_finish_on_this_thread_when_the_pool_is_busy() -> None:
+    import threading
+
+    pool = crc.pool()
+    release = threading.Event()
+    busy = [pool.submit(release.wait) for _ in range(crc.threads())]
+    try:
+        # every pool thread blocked: the helpers never start, this thread does every job
+        assert pools.share(pool, crc.threads() + 1, lambda j: j + 1, list(range(50))) == list(
+            range(1, 51)
+        )
+    finally:
+        release.set()
+    assert all(f.result(timeout=10) for f in busy)
+
+
+@pytest.mark.parametrize("failing", [0, 37])
+def test_a_failed_job_stops_the_others_and_none_runs_after(failing: int) -> None:
+    import threading
+    import time
+
+    ran: list[int] = []
+    done = threading.Event()
+
+    def job(j: int) -> int:
+        if done.is_set():
+            ran.append(-1)  # a job started after share returned
+        if j == failing:
+            raise OSError(f"job {j}")
+        time.sleep(0.001)
+        ran.append(j)
+        return j
+
+    with pytest.raises(OSError, match=f"job {failing}"):
+        pools.share(crc.pool(), 2, job, list(range(200)))
+    done.set()
+    time.sleep(0.05)
+    assert -1 not in ran and len(ran) < 199  # the jobs after the failure were not taken

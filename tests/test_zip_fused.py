@@ -196,54 +196,6 @@ def test_pieces_end_on_page_boundaries(skew: int) -> None:
     assert all(b - a <= 500 for a, b, _ in pieces)
 
 
-def test_shared_jobs_run_once_each_in_order_of_results() -> None:
-    pool = crc.pool()
-    for workers in (2, crc.threads() + 1):
-        assert zipfmt._share(pool, workers, lambda j: j * j, list(range(100))) == [
-            j * j for j in range(100)
-        ]
-
-
-def test_shared_jobs_finish_on_this_thread_when_the_pool_is_busy() -> None:
-    import threading
-
-    pool = crc.pool()
-    release = threading.Event()
-    busy = [pool.submit(release.wait) for _ in range(crc.threads())]
-    try:
-        # every pool thread blocked: the helpers never start, this thread does every job
-        assert zipfmt._share(pool, crc.threads() + 1, lambda j: j + 1, list(range(50))) == list(
-            range(1, 51)
-        )
-    finally:
-        release.set()
-    assert all(f.result(timeout=10) for f in busy)
-
-
-@pytest.mark.parametrize("failing", [0, 37])
-def test_a_failed_job_stops_the_others_and_none_runs_after(failing: int) -> None:
-    import threading
-    import time
-
-    ran: list[int] = []
-    done = threading.Event()
-
-    def job(j: int) -> int:
-        if done.is_set():
-            ran.append(-1)  # a job started after _share returned
-        if j == failing:
-            raise OSError(f"job {j}")
-        time.sleep(0.001)
-        ran.append(j)
-        return j
-
-    with pytest.raises(OSError, match=f"job {failing}"):
-        zipfmt._share(crc.pool(), 2, job, list(range(200)))
-    done.set()
-    time.sleep(0.05)
-    assert -1 not in ran and len(ran) < 199  # the jobs after the failure were not taken
-
-
 def test_names_are_checked_before_the_data_is_read(tmp_path: Path) -> None:
     data = bytearray(
         b"".join(bytes(as_memoryview(c)) for c in zipfmt.encode_stored([("x.txt", [b"abc"])]))

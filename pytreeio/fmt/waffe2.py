@@ -628,7 +628,9 @@ class _Bands:
 
     Bands are numbered in file order; :class:`~pytreeio.transpose.Pipeline`
     copies the next ones on the other cores while the writer writes one, so
-    at most ``cores + 1`` bands exist at a time.  Their buffers are recycled:
+    at most ``cores + 1`` bands exist at a time.  Where :mod:`pytreeio.io`
+    writes the directory's files on one thread per core, each thread makes
+    its own file's bands as it writes them (the band is still in its cache).  Their buffers are recycled:
     a consumer of :class:`~pytreeio.registry.Deferred` chunks is done with one
     chunk's bytes when it asks for the next, so the band a thread was given
     before is free for a band still to be made once that thread asks again
@@ -644,14 +646,14 @@ class _Bands:
         self._given: dict[int, np.ndarray] = {}  # the buffer each consuming thread has now
         self._lock = threading.Lock()
 
-    def add(self, part: np.ndarray) -> Deferred:
+    def add(self, part: np.ndarray, whole: int) -> Deferred:
         from ..transpose import copy_transposed
 
         def make() -> Any:
             store = self._buffer(part.nbytes)
             out = store[: part.nbytes].view(part.dtype).reshape(part.shape)
             try:
-                copy_transposed(part, out, parallel=False)
+                copy_transposed(part, out, parallel=False, array_nbytes=whole)
             except BaseException:
                 self._release(store)
                 raise
@@ -702,7 +704,10 @@ def _npy_chunks(arr: np.ndarray, bands: _Bands) -> tuple[Any, ...]:
     header = npy.npy_header(arr.dtype, (int(arr.size),))
     row_bytes = arr.nbytes // arr.shape[0]
     step = max(1, _BAND_BYTES // max(1, row_bytes))
-    return (header, *(bands.add(arr[i : i + step]) for i in range(0, arr.shape[0], step)))
+    return (
+        header,
+        *(bands.add(arr[i : i + step], arr.nbytes) for i in range(0, arr.shape[0], step)),
+    )
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
