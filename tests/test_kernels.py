@@ -206,7 +206,9 @@ def test_fused_transposed_quantisation_gives_the_definition(
     from pytreeio import _numba_kernels as nk
 
     dtype = np.dtype(quant.INT_TYPES[type_name])
-    rows = nk.Q_ROWS + 37 if not aligned else 2 * nk.Q_ROWS  # 2*128 rows: 64-byte multiples
+    # 57 rows past a tile: side-by-side blocks, then a single block (57 % 2n >= n for every
+    # width), then single values; 2*128 rows: 64-byte multiples
+    rows = nk.Q_ROWS + 57 if not aligned else 2 * nk.Q_ROWS
     cols = nk.Q_COLS + 300
     rng = np.random.default_rng(scale)
     info = np.iinfo(dtype)
@@ -231,6 +233,24 @@ def test_fused_transposed_quantisation_gives_the_definition(
     for r, c in bad:
         got[r, c] = want[r, c] = 0.0
     assert np.array_equal(got, want)
+
+
+def test_bands_of_a_large_array_take_the_kernel_its_size_calls_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """copy_transposed's ``array_nbytes``: a small band of a large array asks for the kernel by
+    the array's size (a cl-waffe2 band of 1 MiB of a 16 MiB kernel), not its own."""
+    from pytreeio import transpose
+
+    asked: list[int] = []
+    monkeypatch.setattr(kernels, "use", lambda n: asked.append(n) or False)
+    a = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    band = a.T[:5]
+    out = np.empty(band.shape, band.dtype)
+    transpose.copy_transposed(band, out, parallel=False, array_nbytes=16 << 20)
+    transpose.copy_transposed(band, out, parallel=False)
+    assert asked == [16 << 20, band.nbytes]
+    assert np.array_equal(out, a.T[:5])
 
 
 def test_not_transposable() -> None:
