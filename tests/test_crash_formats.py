@@ -81,6 +81,9 @@ META = {"tinyllama": {"config": {"n_heads": 4, "dropout": 0.0}},
         "datacode": {"layers": ["Linear", "ReLU", "Linear"]},
         "netcl": {"config": ["Linear", "ReLU", "Linear"]}}
 
+if mode == "parallel":  # every directory written one file per thread, however small
+    io._PARALLEL_DIR_MIN = io._PARALLEL_FILE_MIN = 0
+
 if mode == "pause":  # stop right between the two commit renames of a sibling pair
     real, calls = io._rename, []
     def hook(src, dst):
@@ -194,8 +197,13 @@ FORMATS = [
 ]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_sigkill_during_save_leaves_old_or_new(tmp_path: Path, fmt: str) -> None:
+@pytest.mark.parametrize(
+    ("fmt", "mode"),
+    [(fmt, "loop") for fmt in FORMATS] + [("waffe2", "parallel"), ("bullet", "parallel")],
+)
+def test_sigkill_during_save_leaves_old_or_new(tmp_path: Path, fmt: str, mode: str) -> None:
+    """``parallel``: the directory's files written by several threads at once (the path of
+    directories of 64 MiB and more), killed mid-way as well."""
     dest = _dest(tmp_path, fmt)
     t0 = time.monotonic()
     _save(dest, fmt, 1000)
@@ -205,7 +213,7 @@ def test_sigkill_during_save_leaves_old_or_new(tmp_path: Path, fmt: str) -> None
     current: int | None = 1000
     stale: set[str] = set()
     for i in range(ROUNDS):
-        child = Child(dest, fmt, base=10 * (i + 1))
+        child = Child(dest, fmt, mode=mode, base=10 * (i + 1))
         child.wait_for("ready")
         if stale and i % 2:
             # the first save of this child must remove what the last kill left
@@ -237,12 +245,16 @@ def test_sigkill_between_the_renames_of_a_pair_rolls_forward(tmp_path: Path) -> 
     assert _temporaries(tmp_path) == set()
 
 
-@pytest.mark.parametrize("fmt", ["netcl-checkpoint", "waffe2"])
-def test_two_concurrent_savers_always_leave_one_version(tmp_path: Path, fmt: str) -> None:
+@pytest.mark.parametrize(
+    ("fmt", "mode"), [("netcl-checkpoint", "loop"), ("waffe2", "loop"), ("waffe2", "parallel")]
+)
+def test_two_concurrent_savers_always_leave_one_version(
+    tmp_path: Path, fmt: str, mode: str
+) -> None:
     dest = _dest(tmp_path, fmt)
     seen: set[int] = set()
     for rep in range(2):
-        savers = [Child(dest, fmt, base=0), Child(dest, fmt, base=100)]
+        savers = [Child(dest, fmt, mode=mode, base=0), Child(dest, fmt, mode=mode, base=100)]
         for s in savers:
             s.wait_for("done")
         deadline = time.monotonic() + 1.5 + rep
