@@ -385,6 +385,14 @@ class Writer:
         (or, under 4 KiB, packed with the small fields), never serialised.
         """
         a = arr if type(arr) is np.ndarray else np.asarray(arr)
+        if dtype is None and a.dtype.byteorder != ">" and a.flags.c_contiguous and a.nbytes:
+            try:  # the common case, ~3x faster than reshape/view/data
+                view = memoryview(a).cast("B")  # type: ignore[arg-type]
+            except (ValueError, TypeError, BufferError):  # dtypes the buffer protocol lacks
+                pass
+            else:
+                self.raw(view)
+                return
         if dtype is not None:
             want = np.dtype(dtype).newbyteorder("<")
             if a.dtype != want:

@@ -200,7 +200,7 @@ def _records(cfg: Mapping[str, Any]) -> Iterator[_Record]:
     def make(field: str, path: tuple[str | int, ...], dims: tuple[int, ...]) -> _Record:
         nonlocal offset
         rec = _Record(field, path, dims, offset)
-        offset = rec.end
+        offset += 8 * len(dims) + 4 * math.prod(dims)  # rec.end, without three property calls
         return rec
 
     yield make("token embedding", ("tok_embedding",), (v, d))
@@ -756,7 +756,10 @@ def encode(
     for rec in _records(cfg):
         node: Any = root
         for depth, key in enumerate(rec.path):
-            node = node[key] if isinstance(key, int) else _get(node, key, rec.path[:depth])
+            if isinstance(key, int) or (type(node) is dict and key in node):
+                node = node[key]  # the common case, without building the path for errors
+            else:
+                node = _get(node, key, rec.path[:depth])
         arr = _float32(node, rec.path, cast)
         if arr.shape != rec.dims:
             raise _refuse(rec.path, f"wrong shape for {rec.field}", rec.dims, arr.shape)
