@@ -34,6 +34,8 @@ __all__ = [
     "ByteSource",
     "BufferSource",
     "as_memoryview",
+    "utf8_text",
+    "BadUtf8",
     "check_shape",
     "MAX_NDIM",
     "MAX_ARRAY_BYTES",
@@ -134,6 +136,45 @@ def as_memoryview(buffer: Buffer) -> memoryview:
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     return view
+
+
+#: Inputs larger than this are checked for UTF-8 in pieces of this size before the one decode
+#: that makes their text: a failed decode's UnicodeDecodeError holds a copy of all its input.
+_UTF8_PIECE = 1 << 20
+
+
+class BadUtf8(ValueError):
+    """Invalid UTF-8: ``reason`` (as ``UnicodeDecodeError`` gives it) at byte ``start``."""
+
+    def __init__(self, reason: str, start: int) -> None:
+        super().__init__(f"invalid UTF-8 at byte {start}: {reason}")
+        self.reason = reason
+        self.start = start
+
+
+def utf8_text(data: Buffer) -> str:
+    """``data`` decoded as UTF-8 (strict), or :class:`BadUtf8` naming the first invalid byte.
+
+    Peak memory is the text alone: a large input is first checked piece by
+    piece (the exception of a failed one-shot decode would copy all of it),
+    then decoded once.
+    """
+    view = as_memoryview(data)
+    n = len(view)
+    if n > _UTF8_PIECE:
+        import codecs
+
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        for start in range(0, n, _UTF8_PIECE):
+            held = len(decoder.getstate()[0])  # a character's first bytes, from the last piece
+            try:
+                decoder.decode(view[start : start + _UTF8_PIECE], start + _UTF8_PIECE >= n)
+            except UnicodeDecodeError as exc:
+                raise BadUtf8(exc.reason, start - held + exc.start) from None
+    try:
+        return str(view, "utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadUtf8(exc.reason, exc.start) from None
 
 
 class Reader:
@@ -280,6 +321,13 @@ class Reader:
     def text(self, n: int, field: str, encoding: str = "utf-8") -> str:
         start = self.offset
         raw = self.bytes(n, field)
+        if encoding == "utf-8":
+            try:
+                return utf8_text(raw)
+            except BadUtf8 as exc:
+                raise self.error(
+                    f"invalid {encoding}: {exc.reason}", field, start + exc.start
+                ) from None
         try:
             return str(raw, encoding)
         except UnicodeDecodeError as exc:

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from .binary import BadUtf8, utf8_text
 from .errors import FormatError
 
 __all__ = [
@@ -280,8 +281,8 @@ def _loads(
     else:
         raw = bytes(data)
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
+            text = utf8_text(raw)
+        except BadUtf8 as exc:
             raise fail(f"invalid utf-8: {exc.reason}", exc.start) from None
 
     if max_values is None:

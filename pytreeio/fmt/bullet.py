@@ -96,7 +96,15 @@ from typing import Any
 import numpy as np
 
 from .. import quant, quant_host
-from ..binary import BufferSource, ByteSource, Writer, as_memoryview, check_shape
+from ..binary import (
+    BadUtf8,
+    BufferSource,
+    ByteSource,
+    Writer,
+    as_memoryview,
+    check_shape,
+    utf8_text,
+)
 from ..errors import (
     ConversionError,
     EncodeError,
@@ -662,10 +670,9 @@ def _infer_shapes(
 
 
 def _text(buf: Any, file: str) -> str:
-    view = as_memoryview(buf)
     try:
-        return str(view, "utf-8")
-    except UnicodeDecodeError as exc:
+        return utf8_text(buf)
+    except BadUtf8 as exc:
         raise FormatError(f"invalid UTF-8: {exc.reason}", path=file, offset=exc.start) from None
 
 
