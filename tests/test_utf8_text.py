@@ -65,7 +65,8 @@ def test_a_bad_byte_deep_in_a_large_text_costs_no_copy_of_it() -> None:
     finally:
         tracemalloc.stop()
     assert info.value.start == 13_593_000
-    assert peak < 4 << 20  # one piece's text, not the input again (a one-shot decode: 2x it)
+    # a piece or two (3 MiB measured), not the input again (a one-shot decode: 2x it)
+    assert peak < 8 << 20
 
 
 def test_bullet_text_files_and_json_documents_report_the_offset(tmp_path: Path) -> None:
