@@ -321,16 +321,9 @@ class Reader:
     def text(self, n: int, field: str, encoding: str = "utf-8") -> str:
         start = self.offset
         raw = self.bytes(n, field)
-        if encoding == "utf-8":
-            try:
-                return utf8_text(raw)
-            except BadUtf8 as exc:
-                raise self.error(
-                    f"invalid {encoding}: {exc.reason}", field, start + exc.start
-                ) from None
         try:
-            return str(raw, encoding)
-        except UnicodeDecodeError as exc:
+            return utf8_text(raw) if encoding == "utf-8" else str(raw, encoding)
+        except (BadUtf8, UnicodeDecodeError) as exc:
             raise self.error(
                 f"invalid {encoding}: {exc.reason}", field, start + exc.start
             ) from None

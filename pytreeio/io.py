@@ -99,7 +99,7 @@ import numpy as np
 
 from .binary import Buffer, BufferSource, ByteSource, as_memoryview
 from .errors import EncodeError, FormatError
-from .pools import LazyPool
+from .pools import LazyPool, cores, share, taking_cores
 from .registry import Deferred, Directory, Encoded, File, Layout, Probe, Siblings
 
 if TYPE_CHECKING:  # concurrent.futures is imported by the first parallel read (import time)
@@ -783,7 +783,6 @@ def _populate_dir(root: Path, encoded: Encoded, durable: bool) -> None:
         targets.append((target, sub))
     workers = _file_writers([sub.nbytes for _, sub in targets])
     if workers > 1:
-        from .pools import share, taking_cores
 
         def write(item: tuple[Path, Encoded]) -> None:
             with taking_cores():
@@ -801,8 +800,6 @@ def _populate_dir(root: Path, encoded: Encoded, durable: bool) -> None:
 
 def _file_writers(sizes: Sequence[int]) -> int:
     """Threads to write files of ``sizes`` with: one per core when several files are large."""
-    from .pools import cores
-
     large = sum(1 for n in sizes if n >= _PARALLEL_FILE_MIN)
     if large < 2 or sum(sizes) < _PARALLEL_DIR_MIN:
         return 1

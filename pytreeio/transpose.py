@@ -152,22 +152,21 @@ class Pipeline:
         self._lock = threading.Lock()
 
     def take(self, i: int) -> Any:
-        if cores_taken():
-            with self._lock:
-                job = self._jobs.pop(i, None)
-            return self._makers[i]() if job is None else job.result()
+        ahead = not cores_taken()  # inside taking_cores no core is idle: nothing made ahead
+        start = 0
         with self._lock:
             job = self._jobs.pop(i, None)
-            if job is None and i >= self._next:
-                self._next = i + 1  # made here, now; any skipped are made when taken
-            self._limit = max(self._limit, min(len(self._makers), i + 1 + self._depth))
-            start = max(0, min(self._workers - self._active, self._limit - self._next))
-            self._active += start
+            if ahead:
+                if job is None and i >= self._next:
+                    self._next = i + 1  # made here, now; any skipped are made when taken
+                self._limit = max(self._limit, min(len(self._makers), i + 1 + self._depth))
+                start = max(0, min(self._workers - self._active, self._limit - self._next))
+                self._active += start
         for _ in range(start):
             pool().submit(self._work)
         if job is None:  # not claimed ahead (the first take, or out of order): made here
             return self._makers[i]()
-        while not job.done():
+        while ahead and not job.done():
             with self._lock:
                 claimed = self._claim()
             if claimed is None:

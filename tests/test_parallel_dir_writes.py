@@ -27,7 +27,7 @@ def parallel_dirs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every directory of two files or more written by three threads, however small."""
     monkeypatch.setattr(io, "_PARALLEL_DIR_MIN", 0)
     monkeypatch.setattr(io, "_PARALLEL_FILE_MIN", 0)
-    monkeypatch.setattr(pools, "cores", lambda: 3)
+    monkeypatch.setattr(io, "cores", lambda: 3)
 
 
 def _leftovers(root: Path) -> list[str]:
@@ -53,14 +53,14 @@ def _leftovers(root: Path) -> list[str]:
 def test_writers_are_one_per_core_for_several_large_files(
     monkeypatch: pytest.MonkeyPatch, sizes: list[int], cores: int, writers: int
 ) -> None:
-    monkeypatch.setattr(pools, "cores", lambda: cores)
+    monkeypatch.setattr(io, "cores", lambda: cores)
     assert io._file_writers(sizes) == writers
 
 
 def test_files_are_written_by_several_threads_largest_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parallel_dirs: None
 ) -> None:
-    monkeypatch.setattr(pools, "cores", lambda: 2)  # two writers: the third file waits for one
+    monkeypatch.setattr(io, "cores", lambda: 2)  # two writers: the third file waits for one
     threads: dict[str, str] = {}
     started: list[str] = []
     gate = threading.Barrier(2, timeout=10)

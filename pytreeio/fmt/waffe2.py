@@ -630,8 +630,8 @@ class _Bands:
     copies the next ones on the other cores while the writer writes one, so
     at most ``cores + 1`` bands exist at a time.  Where :mod:`pytreeio.io`
     writes the directory's files on one thread per core, each thread makes
-    its own file's bands as it writes them (the band is still in its cache).  Their buffers are recycled:
-    a consumer of :class:`~pytreeio.registry.Deferred` chunks is done with one
+    its own file's bands as it writes them (the band is still in its cache).
+    Their buffers are recycled: a consumer of :class:`~pytreeio.registry.Deferred` chunks is done with one
     chunk's bytes when it asks for the next, so the band a thread was given
     before is free for a band still to be made once that thread asks again
     (threads writing different files at once keep theirs).  A fresh buffer
