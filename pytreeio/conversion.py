@@ -75,7 +75,6 @@ __all__ = [
     "decode_options",
     "convert_decoded",
     "decode_model",
-    "as_is",
     "open_streamed",
 ]
 
@@ -336,25 +335,6 @@ def convert_decoded(
 STREAM_MIN_BYTES = 1 << 16
 
 
-def as_is(container: Format, target: Format, meta: Any) -> bool:
-    """Whether :func:`convert_decoded` hands ``target`` the source's native tree as it is.
-
-    True when the tree never goes through the common model form: one format
-    both ways, a model format's tree into a generic format that keeps meta,
-    or a generic format's tree into a generic format.  (A generic tree into a
-    model format may go through the model form: False, to be safe.)
-    """
-    try:
-        source, _ = carried(container, meta)
-    except MismatchError:
-        return False
-    if source is target:
-        return True
-    if source.is_model_format:
-        return not target.is_model_format and target.accepts_meta and target.keeps_meta
-    return not target.is_model_format
-
-
 def _streamed_tree(tree: Any, source: Any) -> Any:
     """``tree`` with each large plain slot a :class:`Streamed` leaf and every other slot read."""
     from .tree import is_namedtuple
@@ -380,10 +360,13 @@ def open_streamed(
     """``(native tree with Streamed leaves, meta, open source)`` for a conversion that streams.
 
     A conversion streams when the source format has ``slots`` that take every
-    load option given, the target's encoder takes :class:`Streamed` leaves
-    (``Format.streams``) and the native tree goes to it as it is
-    (:func:`as_is`).  Each tensor is then read when the writer reaches it and
-    dropped after: peak memory is about the largest tensor plus the headers.
+    load option given and the target's encoder takes :class:`Streamed` leaves
+    (``Format.streams``).  The native tree goes to the target as it is
+    (one format both ways, a generic target) or through the common model form, whose transposes,
+    reshapes and casts of a streamed array are views made when it is read
+    (:meth:`Streamed.transpose`).  Each tensor is then read when the writer
+    reaches it and dropped after: peak memory is about the largest tensor
+    (twice, where it is transposed) plus the headers.
     None when it does not stream (the caller decodes the whole checkpoint);
     the caller closes the source after writing.
     """
@@ -397,9 +380,6 @@ def open_streamed(
     source = io.open_source(path, container.layout, headers=True)
     try:
         found = _call(container.slots, container, options, source)
-        if not as_is(container, target, found.meta):
-            source.close()
-            return None
         return _streamed_tree(found.tree, source), found.meta, source
     except BaseException:
         source.close()

@@ -34,6 +34,7 @@ declares raises ``TypeError``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -57,6 +58,8 @@ __all__ = [
     "Slots",
     "Deferred",
     "Streamed",
+    "Derived",
+    "is_streamed",
     "Layout",
     "File",
     "Siblings",
@@ -505,6 +508,66 @@ class Streamed:
     def ndim(self) -> int:
         return len(self.shape)
 
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    # Views computed when read, so the common model form's transposes, reshapes and
+    # casts (``to_model``/``from_model``) pass a streamed array on without reading it.
+
+    def transpose(self, *axes: Any) -> Streamed:
+        """This array with its axes permuted (numpy's ``transpose``), read in C order."""
+        if len(axes) == 1 and (axes[0] is None or isinstance(axes[0], Sequence)):
+            axes = tuple(axes[0]) if axes[0] is not None else ()
+        perm = tuple(int(a) % max(1, self.ndim) for a in axes) or tuple(range(self.ndim))[::-1]
+        if sorted(perm) != list(range(self.ndim)):
+            raise ValueError(f"axes {axes} do not permute {self.ndim} dimensions")
+        if perm == tuple(range(self.ndim)):
+            return self
+        shape = tuple(self.shape[a] for a in perm)
+        return Derived(self, functools.partial(_transposed, axes=perm), shape, self.dtype)
+
+    @property
+    def T(self) -> Streamed:
+        return self.transpose()
+
+    def reshape(self, *shape: Any) -> Streamed:
+        """This array's C-order data in another shape (one ``-1`` allowed)."""
+        if len(shape) == 1 and isinstance(shape[0], Sequence):
+            shape = tuple(shape[0])
+        dims = [int(d) for d in shape]
+        if dims.count(-1) == 1:
+            known = 1
+            for d in dims:
+                known *= d if d != -1 else 1
+            dims[dims.index(-1)] = self.size // known if known else 0
+        new = tuple(dims)
+        n = 1
+        for d in new:
+            n *= d
+        if n != self.size or any(d < 0 for d in new):
+            raise ValueError(f"cannot reshape {self.shape} into {tuple(shape)}")
+        if new == self.shape:
+            return self
+        return Derived(self, functools.partial(_reshaped, shape=new), new, self.dtype)
+
+    def astype(self, dtype: Any, copy: bool = True) -> Streamed:
+        """This array cast to ``dtype`` (numpy's ``astype``), when read."""
+        import numpy as np
+
+        want = np.dtype(dtype)
+        if want == self.dtype:
+            return self
+        return Derived(self, functools.partial(_cast, dtype=want), self.shape, want)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        # Code that needs the values (a check, a quantiser) gets them: read here, whole.
+        arr = self.read()
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
     def read(self) -> Any:
         """The array, as ``decode`` would have returned it (C-contiguous, native byte order)."""
         import numpy as np
@@ -571,6 +634,66 @@ class Streamed:
 
     def __repr__(self) -> str:
         return f"Streamed({self.slot.key!r}, {self.shape}, {self.dtype})"
+
+
+class Derived(Streamed):
+    """A :class:`Streamed` array computed from another one when read (a transpose, a cast).
+
+    ``fn(base.read())`` must return an array of ``shape`` and ``dtype``; it is
+    returned C-contiguous.  Made by :meth:`Streamed.transpose`,
+    :meth:`~Streamed.reshape` and :meth:`~Streamed.astype`.
+    """
+
+    __slots__ = ("base", "fn")
+
+    def __init__(self, base: Streamed, fn: Callable[[Any], Any], shape: Any, dtype: Any) -> None:
+        import numpy as np
+
+        dt = np.dtype(dtype)
+        self.base = base
+        self.fn = fn
+        self.slot = base.slot
+        self.source = base.source
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = dt if dt.isnative else dt.newbyteorder("=")
+        self.nbytes = self.size * self.dtype.itemsize
+        self._held = None
+        self._pending = 0
+
+    def read(self) -> Any:
+        import numpy as np
+
+        arr = np.ascontiguousarray(self.fn(self.base.read()))
+        if arr.shape != self.shape or arr.dtype != self.dtype:  # pragma: no cover - a bad fn
+            raise AssertionError(f"{self!r} read {arr.shape} {arr.dtype}")
+        return arr
+
+    def __repr__(self) -> str:
+        return f"Derived({self.base!r} -> {self.shape}, {self.dtype})"
+
+
+def _transposed(arr: Any, axes: tuple[int, ...]) -> Any:
+    import numpy as np
+
+    from .transpose import copy_transposed
+
+    view = arr.transpose(axes)
+    out = np.empty(view.shape, view.dtype)
+    copy_transposed(view, out)
+    return out
+
+
+def _reshaped(arr: Any, shape: tuple[int, ...]) -> Any:
+    return arr.reshape(shape)
+
+
+def _cast(arr: Any, dtype: Any) -> Any:
+    return arr.astype(dtype)
+
+
+def is_streamed(x: Any) -> bool:
+    """Whether ``x`` is an array of a streaming conversion, read only when written."""
+    return isinstance(x, Streamed)
 
 
 def chunk_nbytes(chunk: Any) -> int:

@@ -562,24 +562,9 @@ def _float32(leaf: Any, path: Sequence[str | int], cast: bool) -> np.ndarray | S
     # ml_dtypes' bfloat16 and float8 types are floating point without numpy's kind "f".
     floating = arr.dtype.kind == "f" or arr.dtype.name.startswith(("bfloat16", "float8"))
     if cast and floating:
-        return _CastStreamed(leaf) if streamed else arr.astype(np.float32)
+        return arr.astype(np.float32)  # a streamed array's cast is made when it is read
     hint = "; pass cast=True to convert it to float32" if floating else ""
     raise _refuse(path, f"Tiny Llama stores float32 only{hint}", "float32", str(arr.dtype))
-
-
-class _CastStreamed(Streamed):
-    """A streamed floating-point array of another width, written as float32."""
-
-    __slots__ = ("inner",)
-
-    def __init__(self, inner: Streamed) -> None:
-        super().__init__(inner.slot, inner.source)
-        self.inner = inner
-        self.dtype = np.dtype(np.float32)
-        self.nbytes = 4 * math.prod(self.shape)
-
-    def read(self) -> np.ndarray:
-        return np.ascontiguousarray(self.inner.read(), dtype=np.float32)
 
 
 def _get(node: Any, key: str, path: Sequence[str | int]) -> Any:
