@@ -59,7 +59,6 @@ __all__ = [
     "Deferred",
     "Streamed",
     "Derived",
-    "is_streamed",
     "Layout",
     "File",
     "Siblings",
@@ -689,11 +688,6 @@ def _reshaped(arr: Any, shape: tuple[int, ...]) -> Any:
 
 def _cast(arr: Any, dtype: Any) -> Any:
     return arr.astype(dtype)
-
-
-def is_streamed(x: Any) -> bool:
-    """Whether ``x`` is an array of a streaming conversion, read only when written."""
-    return isinstance(x, Streamed)
 
 
 def chunk_nbytes(chunk: Any) -> int:
