@@ -364,9 +364,6 @@ class NumberRows:
             reason, path=self._path, field=self._field, offset=self._offset + self._spans[i][0] + at
         )
 
-    def __len__(self) -> int:
-        return len(self._spans)
-
     def _index(self, value: Any) -> int | None:
         if isinstance(value, str) and value.startswith(self._prefix):
             return int(value[len(self._prefix) :])
@@ -491,14 +488,16 @@ def loads_rows(
 ) -> tuple[Any, NumberRows]:
     """:func:`loads` for a document that holds long lists of numbers (optimizer moments).
 
-    Every innermost array of strictly valid JSON numbers (a *row*) is cut out
-    before parsing and stands in the result as a marker string; the returned
+    Every innermost array of number characters (a *row*) is cut out before
+    parsing and stands in the result as a marker string; the returned
     :class:`NumberRows` puts rows back into the parts the caller names, as
-    float64 arrays or as :mod:`json`'s lists.  The rest is parsed and checked
-    exactly as :func:`loads` checks a document (depth, values, duplicate keys,
-    NaN, UTF-8), with errors at their offsets in ``data``.  A row parsed as
-    an array costs 8 bytes a number, not a Python float's 32 plus its slot,
-    and no Python object per number is made.
+    float64 arrays or as :mod:`json`'s lists, and checks their numbers
+    strictly then (a row never resolved is never checked).  The rest is parsed
+    and checked exactly as :func:`loads` checks a document (depth, values,
+    duplicate keys, NaN, UTF-8), with errors at their offsets in ``data``.  A
+    row resolved as an array costs 8 bytes a number, not a Python float's 32
+    plus its slot; its numbers are Python floats only while their batch is
+    parsed.
     """
     raw = _whole_bytes(data)
     pieces: list[bytes] = []

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import sys
 import threading
@@ -496,10 +497,7 @@ class Streamed:
         self.source = source
         self.shape = tuple(int(d) for d in slot.shape)
         self.dtype = dtype if dtype.isnative else dtype.newbyteorder("=")
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        self.nbytes = n
+        self.nbytes = self.dtype.itemsize * math.prod(self.shape)
         self._held: Any = None
         self._pending = 0
 
@@ -509,10 +507,7 @@ class Streamed:
 
     @property
     def size(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     # Views computed when read, so the common model form's transposes, reshapes and
     # casts (``to_model``/``from_model``) pass a streamed array on without reading it.
@@ -539,15 +534,10 @@ class Streamed:
             shape = tuple(shape[0])
         dims = [int(d) for d in shape]
         if dims.count(-1) == 1:
-            known = 1
-            for d in dims:
-                known *= d if d != -1 else 1
+            known = -math.prod(dims)  # the product of the other dimensions
             dims[dims.index(-1)] = self.size // known if known else 0
         new = tuple(dims)
-        n = 1
-        for d in new:
-            n *= d
-        if n != self.size or any(d < 0 for d in new):
+        if math.prod(new) != self.size or any(d < 0 for d in new):
             raise ValueError(f"cannot reshape {self.shape} into {tuple(shape)}")
         if new == self.shape:
             return self

@@ -196,3 +196,11 @@ def trees(leaves: Any = None, *, namedtuples: bool = True) -> Any:
         return st.one_of(*options)
 
     return st.recursive(base, extend, max_leaves=12)
+
+
+@pytest.fixture
+def every_slot_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small test tensors streamed too (normally slots under 64 KiB are read up front)."""
+    from pytreeio import conversion
+
+    monkeypatch.setattr(conversion, "STREAM_MIN_BYTES", 0)

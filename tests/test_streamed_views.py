@@ -14,8 +14,7 @@ from pytreeio.registry import Derived, Streamed
 
 
 @pytest.fixture
-def leaves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setattr(conversion, "STREAM_MIN_BYTES", 0)
+def leaves(tmp_path: Path, every_slot_streams: None) -> Any:
     rng = np.random.default_rng(0)
     arrays = {
         "m": rng.standard_normal((5, 7)).astype(np.float32),

@@ -139,15 +139,6 @@ def test_without_checksums_and_safetensors_onward(tmp_path: Path) -> None:
         )
 
 
-@pytest.fixture
-def every_slot_streams() -> Any:
-    """Small test tensors streamed too (normally slots under 64 KiB are read up front)."""
-    old = conversion.STREAM_MIN_BYTES
-    conversion.STREAM_MIN_BYTES = 0
-    yield
-    conversion.STREAM_MIN_BYTES = old
-
-
 @pytest.mark.parametrize("fmt", ["msgpack", "safetensors", "netcl-params", "netcl-checkpoint"])
 def test_generic_and_netcl_to_safetensors(
     tmp_path: Path, fmt: str, every_slot_streams: Any

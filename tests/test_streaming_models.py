@@ -14,19 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_convert_matrix import CELLS, conversion_options, expected, fmt_of, source
+from test_convert_matrix import CELLS, conversion_options, expected, files, fmt_of, source
+from test_streaming_convert import files_of, streams
 
 import pytreeio as ptio
-from pytreeio import conversion, io
-from pytreeio.registry import Siblings, Streamed
+from pytreeio.registry import Siblings
 
-
-@pytest.fixture(autouse=True)
-def every_slot_streams() -> Any:
-    old = conversion.STREAM_MIN_BYTES
-    conversion.STREAM_MIN_BYTES = 0
-    yield
-    conversion.STREAM_MIN_BYTES = old
+pytestmark = pytest.mark.usefixtures("every_slot_streams")
 
 
 def write_source(data: Any, fmt: str, path: Path) -> Path:
@@ -43,32 +37,6 @@ def write_source(data: Any, fmt: str, path: Path) -> Path:
             (path / name).parent.mkdir(parents=True, exist_ok=True)
             (path / name).write_bytes(content)
     return path
-
-
-def files_of(path: Path, fmt: str) -> Any:
-    layout = ptio.formats()[fmt].layout
-    if isinstance(layout, Siblings):
-        return {r: p.read_bytes() for r, p in layout.locate(path).items() if p.exists()}
-    if path.is_dir():
-        return {name: (path / name).read_bytes() for name in io.walk(path)}
-    return path.read_bytes()
-
-
-def encoded_files(enc: ptio.Encoded) -> Any:
-    if enc.files is not None:
-        return {k: v.tobytes() for k, v in enc.files.items()}
-    return enc.tobytes()
-
-
-def streams(src: Path, from_: str, to: str, options: dict[str, Any]) -> bool:
-    container, target = ptio.formats()[from_], ptio.formats()[to]
-    found = conversion.open_streamed(
-        src, container, target, conversion.decode_options(container, target, options)
-    )
-    if found is None:
-        return False
-    found[2].close()
-    return any(isinstance(v, Streamed) for v in ptio.flatten(found[0]).values())
 
 
 @pytest.mark.parametrize(
@@ -91,7 +59,7 @@ def test_streamed_matrix_matches_in_memory(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            want = encoded_files(in_memory())
+            want = files(in_memory())
         except ptio.ConversionError as exc:
             with pytest.raises(ptio.ConversionError) as got:
                 ptio.convert(path, out, from_=s, to=t, lossy=lossy, **options)
@@ -100,4 +68,4 @@ def test_streamed_matrix_matches_in_memory(
         ptio.convert(path, out, from_=s, to=t, lossy=lossy, **options)
     assert files_of(out, t) == want
     if ptio.formats()[t].streams and ptio.formats()[s].slots is not None:
-        assert streams(path, s, t, options)
+        assert streams(path, s, t, **options)
