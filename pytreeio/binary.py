@@ -424,7 +424,18 @@ class Writer:
 
         A C-contiguous little-endian array of the right dtype is referenced
         (or, under 4 KiB, packed with the small fields), never serialised.
+        A :class:`~pytreeio.registry.Streamed` array (a conversion's) is
+        appended as :class:`~pytreeio.registry.Deferred` chunks, read (and
+        cast) when written.
         """
+        if type(arr) is not np.ndarray:
+            from .registry import Streamed  # (registry imports this module)
+
+            if isinstance(arr, Streamed):
+                s = arr if dtype is None else arr.astype(np.dtype(dtype).newbyteorder("="))
+                for chunk in s.chunks() if s.nbytes else ():
+                    self.deferred(chunk)
+                return
         a = arr if type(arr) is np.ndarray else np.asarray(arr)
         if dtype is None and a.dtype.byteorder != ">" and a.flags.c_contiguous and a.nbytes:
             try:  # the common case, ~3x faster than reshape/view/data

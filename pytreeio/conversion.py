@@ -59,6 +59,8 @@ naming it, raised before any byte is written; ``lossy=True`` drops it with a
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import warnings
 from collections.abc import Mapping
@@ -342,6 +344,12 @@ def _streamed_tree(tree: Any, source: Any) -> Any:
     if isinstance(tree, Slot):
         if tree.convert is not None or tree.nbytes < STREAM_MIN_BYTES:
             return tree.read(source)
+        if tree.fortran and len(tree.shape) > 1:
+            # column-major bytes are the C-order bytes of the reversed shape: a transposed view,
+            # which a writer storing Fortran order (.npy) writes as it is
+            reader = None if tree.reader is None else functools.partial(_reversed, tree.reader)
+            stored = dataclasses.replace(tree, shape=tree.shape[::-1], fortran=False, reader=reader)
+            return Streamed(stored, source).transpose()
         return Streamed(tree, source)
     if isinstance(tree, Mapping):
         items = [(k, _streamed_tree(v, source)) for k, v in tree.items()]
@@ -352,6 +360,13 @@ def _streamed_tree(tree: Any, source: Any) -> Any:
     if isinstance(tree, list | tuple):
         return type(tree)(_streamed_tree(v, source) for v in tree)
     return tree
+
+
+def _reversed(reader: Any, source: Any) -> Any:
+    """A column-major array's reader as the reader of its C-ordered transpose."""
+    import numpy as np
+
+    return np.ascontiguousarray(reader(source).T)
 
 
 def open_streamed(

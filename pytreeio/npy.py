@@ -49,6 +49,7 @@ import numpy as np
 from . import zip as _zip
 from .binary import Buffer, BufferSource, ByteSource, Reader, Writer, as_memoryview, check_shape
 from .errors import EncodeError, FormatError
+from .registry import Slot, Streamed
 
 # Transitional re-exports: the ZIP container moved to pytreeio.zip; use it directly.
 from .zip import ZipMember, check_member_name, member_data, read_zip_directory
@@ -306,8 +307,32 @@ def _array_layout(arr: Any) -> tuple[np.ndarray, bool]:
     return np.ascontiguousarray(a), False
 
 
-def encode_npy(arr: Any) -> list[Buffer]:
-    """The ``.npy`` bytes numpy would write for ``arr``, as chunks (data not copied)."""
+def _streamed_layout(arr: Streamed) -> tuple[Streamed, bool]:
+    """:func:`_array_layout` for a streamed array: a transposed view is stored as numpy stores one.
+
+    numpy writes a view in C order if it is C-contiguous, in Fortran order if
+    it is Fortran-contiguous (both judged on the axes longer than 1), else a
+    C-order copy; the first two store the base's bytes as they are.
+    """
+    base, axes = arr.transposition()
+    moved = [a for a in axes if base.shape[a] != 1]
+    if arr.size == 0 or moved == sorted(moved):
+        return base, False
+    if moved == sorted(moved, reverse=True):
+        return base, True
+    return arr, False
+
+
+def encode_npy(arr: Any) -> list[Any]:
+    """The ``.npy`` bytes numpy would write for ``arr``, as chunks (data not copied).
+
+    A :class:`~pytreeio.registry.Streamed` array's data is a
+    :class:`~pytreeio.registry.Deferred` chunk, read when it is written.
+    """
+    if isinstance(arr, Streamed):
+        stored, fortran = _streamed_layout(arr)
+        dtype = arr.dtype.newbyteorder("<") if arr.dtype.itemsize > 1 else arr.dtype
+        return [npy_header(dtype, arr.shape, fortran), *(stored.chunks() if arr.nbytes else ())]
     data, fortran = _array_layout(arr)
     chunks: list[Buffer] = [npy_header(data.dtype, np.asarray(arr).shape, fortran)]
     if data.nbytes:
@@ -430,8 +455,6 @@ def npz_slots(
     members, the slot reads its whole member and checks it.  ``role`` is the
     key of the archive in a multi-file source.
     """
-    from .registry import Slot
-
     out: dict[str, Any] = {}
     for key, h, m in inspect_npz(source):
         reader = None
@@ -460,7 +483,7 @@ def encode_npz(items: Iterable[tuple[str, Any]], *, overlap: bool = False) -> li
     members are written (:func:`pytreeio.zip.encode_stored`).
     """
 
-    def members() -> Iterable[tuple[str, list[Buffer]]]:
+    def members() -> Iterable[tuple[str, list[Any]]]:
         for key, value in items:
             try:
                 chunks = encode_npy(value)

@@ -71,6 +71,7 @@ from typing import Any
 import numpy as np
 
 from .errors import FormatError, MismatchError
+from .registry import Streamed
 
 # The original systems' own update rules as optax transformations, so a foreign
 # checkpoint resumes under the rule it was trained with (jax is imported when one is built).
@@ -1128,7 +1129,7 @@ def json_ready(value: Any) -> Any:
         return {str(k): json_ready(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [json_ready(v) for v in value]
-    if isinstance(value, np.ndarray | np.generic) or type(value).__module__.startswith(
+    if isinstance(value, np.ndarray | np.generic | Streamed) or type(value).__module__.startswith(
         ("jax", "jaxlib")
     ):
         arr = np.asarray(value)

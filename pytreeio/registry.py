@@ -521,12 +521,40 @@ class Streamed:
             raise ValueError(f"axes {axes} do not permute {self.ndim} dimensions")
         if perm == tuple(range(self.ndim)):
             return self
+        base, first = self.transposition()
+        if base is not self:  # a transpose of a transpose: one, or none
+            return base.transpose(tuple(first[a] for a in perm))
         shape = tuple(self.shape[a] for a in perm)
         return Derived(self, functools.partial(_transposed, axes=perm), shape, self.dtype)
 
     @property
     def T(self) -> Streamed:
         return self.transpose()
+
+    def transposition(self) -> tuple[Streamed, tuple[int, ...]]:
+        """``(base, axes)`` with this array ``base.transpose(axes)``; ``(self, identity)`` if no transpose.
+
+        Writers of layouts with a Fortran order (``.npy``) store a reversed
+        transpose as its base's bytes, as numpy stores a transposed view.
+        """
+        fn = getattr(self, "fn", None)
+        if (
+            isinstance(self, Derived)
+            and isinstance(fn, functools.partial)
+            and fn.func is _transposed
+        ):
+            return self.base, fn.keywords["axes"]
+        return self, tuple(range(self.ndim))
+
+    def c_order(self) -> Streamed:
+        """This array as a C-order copy of it is stored: a transposed view no longer is.
+
+        (:meth:`transposition` then finds no transpose, so a ``.npy`` writer
+        stores it in C order, as it stores a numpy array copied into C order.)
+        """
+        if self.transposition()[0] is self:
+            return self
+        return Derived(self, _same, self.shape, self.dtype)
 
     def reshape(self, *shape: Any) -> Streamed:
         """This array's C-order data in another shape (one ``-1`` allowed)."""
@@ -550,6 +578,9 @@ class Streamed:
         want = np.dtype(dtype)
         if want == self.dtype:
             return self
+        base, axes = self.transposition()
+        if base is not self:  # cast, then transpose: numpy's astype keeps a transposed layout
+            return base.astype(want).transpose(axes)
         return Derived(self, functools.partial(_cast, dtype=want), self.shape, want)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
@@ -670,6 +701,10 @@ def _transposed(arr: Any, axes: tuple[int, ...]) -> Any:
     out = np.empty(view.shape, view.dtype)
     copy_transposed(view, out)
     return out
+
+
+def _same(arr: Any) -> Any:
+    return arr
 
 
 def _reshaped(arr: Any, shape: tuple[int, ...]) -> Any:

@@ -57,7 +57,7 @@ from . import crc as _crc
 from .binary import Buffer, ByteSource, Reader, Writer, as_memoryview
 from .errors import EncodeError, FormatError
 from .pools import share
-from .registry import Deferred
+from .registry import Deferred, chunk_nbytes
 
 __all__ = [
     "ZipMember",
@@ -742,14 +742,16 @@ def encode_stored(
 
     Every member's CRC-32 goes in its local header, ahead of its data.  By
     default all of them are computed here, before returning (the chunks are
-    plain buffers).  With ``overlap``, members of at least
+    plain buffers).  A member with :class:`~pytreeio.registry.Deferred`
+    chunks (a streamed array's data) is hashed as they are produced, its
+    local header ``late``.  With ``overlap``, members of at least
     :data:`OVERLAP_MIN` bytes are hashed while they are written instead: their
     data chunks are :class:`~pytreeio.registry.Deferred` ones that start the
     hash on the CRC pool when the writer takes them, their local headers are
     ``late`` (written in place after the data), and the central directory,
     produced after the last member, waits for every hash.  The bytes are the same.
     """
-    named: list[tuple[str, Sequence[Buffer]]] = []
+    named: list[tuple[str, Sequence[Any]]] = []
     seen: set[str] = set()
     for name, chunks in members:
         try:
@@ -759,9 +761,12 @@ def encode_stored(
         if name in seen:
             raise EncodeError(f"duplicate member name {name!r}", key_path=name)
         seen.add(name)
-        named.append((name, [as_memoryview(c) for c in chunks]))
-    sizes = [sum(len(c) for c in chunks) for _, chunks in named]
-    late = [overlap and size >= OVERLAP_MIN for size in sizes]
+        named.append((name, [c if isinstance(c, Deferred) else as_memoryview(c) for c in chunks]))
+    sizes = [sum(chunk_nbytes(c) for c in chunks) for _, chunks in named]
+    late = [
+        any(isinstance(c, Deferred) for c in chunks) or (overlap and size >= OVERLAP_MIN)
+        for (_, chunks), size in zip(named, sizes)
+    ]
     # The CRC-32 of every member hashed now, on all cores at once.
     eager = iter(_crc.crc32_many([chunks for (_, chunks), d in zip(named, late) if not d]))
     w = Writer()
@@ -781,7 +786,7 @@ def encode_stored(
                 )
             )
             for i, c in enumerate(chunks):
-                w.deferred(Deferred(len(c), functools.partial(overlapped.start, i)))
+                w.deferred(Deferred(chunk_nbytes(c), functools.partial(overlapped.start, i)))
         else:
             crc = next(eager)
             crc_of = functools.partial(int, crc)
@@ -805,27 +810,43 @@ OVERLAP_MIN = 8 << 20
 class _OverlappedCrc:
     """The CRC-32 of one member's chunks, each hashed on the pool once the writer takes it.
 
-    ``start(i)`` hands chunk ``i`` to the pool and returns it for writing;
+    ``start(i)`` hands chunk ``i`` to the pool (a :class:`Deferred` chunk, a
+    streamed array's data, is produced first) and returns it for writing;
     calling the object waits for every chunk (hashing any not yet started,
     when the chunks were not produced in order) and combines them.
     """
 
     __slots__ = ("_chunks", "_pending")
 
-    def __init__(self, chunks: Sequence[memoryview]) -> None:
+    def __init__(self, chunks: Sequence[Any]) -> None:
         self._chunks = chunks
         self._pending: list[Callable[[], int] | None] = [None] * len(chunks)
 
     def start(self, i: int) -> memoryview:
-        self._pending[i] = _crc.crc32_start([self._chunks[i]])
-        return self._chunks[i]
+        view = _bytes_of(self._chunks[i])
+        self._pending[i] = _crc.crc32_start([view])
+        return view
 
     def __call__(self) -> int:
         parts = []
         for i, c in enumerate(self._chunks):
             pending = self._pending[i]
-            parts.append(((_crc.crc32(c) if pending is None else pending()), len(c)))
+            parts.append(
+                ((_crc.crc32(_bytes_of(c)) if pending is None else pending()), chunk_nbytes(c))
+            )
         return _crc.combine_all(parts)
+
+
+def _bytes_of(chunk: Any) -> memoryview:
+    """A chunk's bytes: a buffer as it is, a :class:`Deferred` one produced (and its length checked)."""
+    if not isinstance(chunk, Deferred):
+        return as_memoryview(chunk)
+    view = as_memoryview(chunk.produce())
+    if view.nbytes != chunk.nbytes:
+        raise EncodeError(
+            f"a streamed member produced {view.nbytes} bytes, {chunk.nbytes} declared"
+        )
+    return view
 
 
 def _local_header(raw_name: bytes, flags: int, crc: int | Callable[[], int], size: int) -> bytes:

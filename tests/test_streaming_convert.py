@@ -248,12 +248,12 @@ def count_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     return counts
 
 
-def test_model_form_conversions_do_not_stream(tmp_path: Path) -> None:
+def test_model_form_conversions_stream(tmp_path: Path) -> None:
     src = tmp_path / "m.nn"
     params = {"layer0": {"weight": big(256 * 128, 0).reshape(256, 128), "bias": big(128, 1)}}
     ptio.save(src, params, format="datacode")
-    assert not streams(src, "datacode", "waffe2")  # through the model form: in memory
-    assert not streams(src, "datacode", "datacode")  # DataCode's encoder takes no Streamed
+    assert streams(src, "datacode", "waffe2")  # through the model form, transposed when read
+    assert streams(src, "datacode", "datacode")
     dst = tmp_path / "m.wf2model"
     ptio.convert(src, dst, to="waffe2", hyperparams={"learning_rate": 0.1})
     want = ptio.convert_buffer(
@@ -287,22 +287,31 @@ def test_deferred_chunks_written_in_place(tmp_path: Path) -> None:
     assert not (tmp_path / "g").exists()
 
 
-def test_a_source_changed_underneath_fails_cleanly(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "to", ["safetensors", "netcl", "netcl-params", "datacode", "waffe2", "bullet"]
+)
+def test_a_source_changed_underneath_fails_cleanly(tmp_path: Path, to: str) -> None:
+    """A tensor that cannot be read when its turn comes fails the save; nothing is left behind."""
     src = tmp_path / "m.nn"
     params = {"layer0": {"weight": big(256 * 128, 0).reshape(256, 128), "bias": big(128, 1)}}
     ptio.save(src, params, format="datacode")
+    target = ptio.formats()[to]
     native, meta, source = conversion.open_streamed(
-        src, ptio.formats()["datacode"], ptio.formats()["safetensors"], {}
+        src, ptio.formats()["datacode"], target, {}
     ) or (None, None, None)
     assert source is not None
+    out = tmp_path / "out"
     try:
-        enc = ptio.encode(native, "safetensors", meta=meta)
+        enc = conversion.convert_decoded(
+            ptio.formats()["datacode"], target, native, meta, options={}, dest=str(out)
+        )
         with open(src, "r+b") as f:  # a tensor's bytes shorter than its slot now
             f.truncate(200)
         source.size = 200  # the source checks ranges against the size it knows
         with pytest.raises(ptio.FormatError):
-            io.write_file_atomic(tmp_path / "out.safetensors", enc)
-        assert not (tmp_path / "out.safetensors").exists()
+            io.write_atomic(out, enc, target.layout)
+        left = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".pytreeio-lock"))
+        assert left == ["m.nn"]  # no output, no temporary file or directory
     finally:
         source.close()
 

@@ -126,6 +126,7 @@ from ..registry import (
     Info,
     Slot,
     Slots,
+    Streamed,
     register,
 )
 
@@ -189,7 +190,9 @@ Transform = Callable[[np.ndarray, Mapping[str, np.ndarray]], Any]
 
 def _transpose(array: np.ndarray, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
     # A vector is an out x 1 matrix: transposing it leaves its bytes as they are.
-    return quant.transpose(array, (1, 0)) if array.ndim == 2 else array
+    if array.ndim != 2:
+        return array
+    return array.transpose(1, 0) if isinstance(array, Streamed) else quant.transpose(array, (1, 0))
 
 
 #: Transforms by name; ``"transpose"`` is built in.
@@ -736,18 +739,24 @@ def _steps_text(steps: Mapping[str, int]) -> bytes:
 # --------------------------------------------------------------------------
 
 
-def _f32(value: Any, key: str) -> np.ndarray:
-    """A leaf as a C-order little-endian float32 array (float16/bfloat16 widen exactly; nothing else is cast)."""
+def _f32(value: Any, key: str) -> Any:
+    """A leaf as a C-order little-endian float32 array (float16/bfloat16 widen exactly; nothing else is cast).
+
+    A :class:`~pytreeio.registry.Streamed` leaf (a conversion's) stays one,
+    read and widened when it is written.
+    """
     if not (hasattr(value, "shape") and hasattr(value, "dtype")):
         raise EncodeError(f"expected a float32 array, found {type(value).__name__}", key_path=key)
-    try:
-        arr = np.asarray(value)
-    except Exception as exc:
-        raise EncodeError(
-            f"this leaf has no values to write ({type(exc).__name__})", key_path=key
-        ) from None
+    arr: Any = value
+    if not isinstance(value, Streamed):
+        try:
+            arr = np.asarray(value)
+        except Exception as exc:
+            raise EncodeError(
+                f"this leaf has no values to write ({type(exc).__name__})", key_path=key
+            ) from None
     if arr.dtype == _F32 or arr.dtype == np.float32:
-        return np.ascontiguousarray(arr, dtype=_F32)
+        return arr if isinstance(arr, Streamed) else np.ascontiguousarray(arr, dtype=_F32)
     if arr.dtype == np.float16 or arr.dtype.name == "bfloat16":
         return arr.astype(_F32)
     raise EncodeError(
@@ -926,6 +935,9 @@ def _encode_quantised(specs: Sequence[_Spec], weights: Mapping[str, np.ndarray])
             slots.append(arr)
             continue
         assert spec.scale is not None
+        if isinstance(arr, Streamed):
+            # checked before anything is written, then quantised ahead of the writer: held
+            arr = arr.read()
         x32 = quant.check_quantisable(arr, spec.scale, spec.type, round=spec.round, name=spec.id)
         slots.append(len(jobs))
         jobs.append((x32, spec, fused))
@@ -1684,5 +1696,6 @@ FORMAT = register(
         to_model=to_model,
         from_model=from_model,
         slots=slots,
+        streams=True,
     )
 )

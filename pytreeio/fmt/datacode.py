@@ -82,6 +82,7 @@ from ..registry import (
     Probe,
     Slot,
     Slots,
+    Streamed,
     register,
 )
 
@@ -633,11 +634,11 @@ def _native_layers(tree: Any, layers: list[_LayerSpec]) -> dict[int, dict[str, A
     return out
 
 
-def _host_f32(x: Any, where: str) -> np.ndarray:
+def _host_f32(x: Any, where: str) -> Any:
     """``x`` as a float32 numpy array (float16/bfloat16 widen exactly; anything else is refused)."""
     if hasattr(x, "shape") and not hasattr(x, "__array__"):
         raise EncodeError("cannot save an abstract array (ShapeDtypeStruct)", key_path=where)
-    arr = np.asarray(x)
+    arr = x if isinstance(x, Streamed) else np.asarray(x)  # a streamed one is read when written
     if arr.dtype == np.float32:
         return arr
     if arr.dtype.name in ("float16", "bfloat16"):
@@ -830,7 +831,7 @@ def encode(
     return Encoded(chunks=tuple(w.finish()))
 
 
-def _tensor(w: Writer, name: str, arr: np.ndarray) -> None:
+def _tensor(w: Writer, name: str, arr: Any) -> None:
     raw = name.encode("utf-8")
     w.u32(len(raw))
     w.raw(raw)
@@ -1034,5 +1035,6 @@ FORMAT = register(
         to_model=to_model,
         from_model=from_model,
         slots=slots,
+        streams=True,
     )
 )

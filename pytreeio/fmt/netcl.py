@@ -434,5 +434,6 @@ MODEL = register(
         to_model=to_model,
         slots=slots,
         from_model=from_model,
+        streams=True,
     )
 )

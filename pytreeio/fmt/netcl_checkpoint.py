@@ -617,6 +617,7 @@ CHECKPOINT = register(
         slots=_slots_checkpoint,
         from_model=_checkpoint_from_model,
         keeps_meta=False,
+        streams=True,
     )
 )
 
@@ -636,5 +637,6 @@ PARAMS = register(
         from_model=_params_from_model,
         accepts_meta=False,
         keeps_meta=False,
+        streams=True,
     )
 )

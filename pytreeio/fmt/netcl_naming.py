@@ -27,6 +27,7 @@ from .. import npy
 from ..binary import BufferSource, ByteSource
 from ..errors import ConversionError, EncodeError, MismatchError
 from ..model import LAYERS, Model
+from ..registry import Streamed
 
 __all__ = ["META_KEY", "NETCL_TYPES", "NAMES", "to_common", "to_netcl", "host", "check_types"]
 
@@ -49,8 +50,14 @@ _OIHW_TO_HWIO = (2, 3, 1, 0)
 
 
 def to_common(arr: Any) -> Any:
-    """A netcl array in the common orientation: 4-D OIHW conv weights become HWIO (a numpy view)."""
+    """A netcl array in the common orientation: 4-D OIHW conv weights become HWIO (a view).
+
+    A numpy view of a numpy array, a view made when read of a
+    :class:`~pytreeio.registry.Streamed` one.
+    """
     if getattr(arr, "ndim", 0) == 4:
+        if isinstance(arr, Streamed):
+            return arr.transpose(_OIHW_TO_HWIO)
         return np.asarray(arr).transpose(_OIHW_TO_HWIO)
     return arr
 
@@ -66,6 +73,8 @@ def to_netcl(arr: Any) -> Any:
 
     if getattr(arr, "ndim", 0) != 4:
         return arr
+    if isinstance(arr, Streamed):  # transposed when read (back to the array read, if it came so)
+        return arr.transpose(_HWIO_TO_OIHW)
     if isinstance(arr, np.ndarray):
         view = arr.transpose(_HWIO_TO_OIHW)
         if view.flags.c_contiguous:
@@ -82,8 +91,13 @@ def layer_to_common(ltype: str, arrays: Mapping[str, Any], where: str) -> dict[s
     return {names[k]: to_common(a) for k, a in arrays.items()}
 
 
-def host(x: Any, where: str) -> np.ndarray:
-    """``x`` as a numpy array ready to write, or :class:`EncodeError` naming ``where``."""
+def host(x: Any, where: str) -> Any:
+    """``x`` as a numpy array ready to write, or :class:`EncodeError` naming ``where``.
+
+    A :class:`~pytreeio.registry.Streamed` array stays one: it is read when written.
+    """
+    if isinstance(x, Streamed):
+        return x
     if hasattr(x, "shape") and not hasattr(x, "__array__"):
         raise EncodeError("cannot save an abstract array (ShapeDtypeStruct)", key_path=where)
     arr = np.asarray(x)

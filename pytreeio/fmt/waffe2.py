@@ -118,6 +118,7 @@ from ..registry import (
     Probe,
     Slot,
     Slots,
+    Streamed,
     register,
 )
 from ..tree import describe_leaf, is_array_leaf
@@ -287,7 +288,7 @@ def _inverse(axes: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(i) for i in np.argsort(axes))
 
 
-def _to_stored(arr: Any, axes: Sequence[int] | None) -> np.ndarray:
+def _to_stored(arr: Any, axes: Sequence[int] | None) -> Any:
     """A Flax-orientation array in cl-waffe2's orientation, on the host.
 
     A numpy array (or a jax array on a CPU backend, whose memory numpy
@@ -298,6 +299,8 @@ def _to_stored(arr: Any, axes: Sequence[int] | None) -> np.ndarray:
     """
     from .. import quant
 
+    if isinstance(arr, Streamed):  # a conversion's: transposed when it is read
+        return arr if axes is None or arr.ndim != len(axes) else arr.transpose(tuple(axes))
     if axes is None or np.ndim(arr) != len(axes):
         return np.asarray(arr)
     if isinstance(arr, np.ndarray) or quant.on_cpu():
@@ -306,9 +309,14 @@ def _to_stored(arr: Any, axes: Sequence[int] | None) -> np.ndarray:
 
 
 def _c_order(arr: Any) -> Any:
-    """A transposed view copied into C order (tiled, on the cores); anything else as it is."""
+    """A transposed view copied into C order (tiled, on the cores); anything else as it is.
+
+    A streamed transposed view is copied when it is read.
+    """
     from ..transpose import copy_transposed
 
+    if isinstance(arr, Streamed):
+        return arr.c_order()
     if not isinstance(arr, np.ndarray) or arr.flags.c_contiguous:
         return arr
     out = np.empty(arr.shape, arr.dtype)
@@ -316,10 +324,15 @@ def _c_order(arr: Any) -> Any:
     return out
 
 
+def _array(value: Any) -> Any:
+    """A native tree's array on the host; a :class:`~pytreeio.registry.Streamed` one stays unread."""
+    return value if isinstance(value, Streamed) else np.asarray(value)
+
+
 def _to_flax(
-    arr: np.ndarray, stored_shape: tuple[int, ...] | None, axes: Sequence[int] | None, where: str
-) -> np.ndarray:
-    """A stored array (1-D, or already in its stored shape) in Flax orientation."""
+    arr: Any, stored_shape: tuple[int, ...] | None, axes: Sequence[int] | None, where: str
+) -> Any:
+    """A stored array (1-D, or already in its stored shape) in Flax orientation (a view)."""
     from .. import quant
 
     if stored_shape is not None and tuple(arr.shape) != stored_shape:
@@ -495,11 +508,16 @@ def _number_text(value: Any, type_spec: str, where: str) -> str:
         ) from None
 
 
-def _tensor_data(value: Any, where: str) -> np.ndarray:
+def _tensor_data(value: Any, where: str) -> Any:
     if not is_array_leaf(value) or isinstance(value, np.generic):
         raise EncodeError(
             f"a parameter must be an array, found {describe_leaf(value)}", key_path=where
         )
+    if isinstance(value, Streamed):  # read when its file is written
+        why = dtypes.check_plain(value.dtype)
+        if why is not None:
+            raise EncodeError(why, key_path=where)
+        return value
     try:
         arr = np.asarray(value)
     except Exception as exc:  # a ShapeDtypeStruct or a tracer: no values to write
@@ -690,16 +708,17 @@ class _Bands:
         return store[:nbytes]
 
 
-def _npy_chunks(arr: np.ndarray, bands: _Bands) -> tuple[Any, ...]:
+def _npy_chunks(arr: Any, bands: _Bands) -> tuple[Any, ...]:
     """The ``.npy`` of ``arr`` flattened (1-D, C order), its data streamed from the array.
 
-    A C-contiguous array is written from its own memory.  A strided one (a
+    A C-contiguous array is written from its own memory, a
+    :class:`~pytreeio.registry.Streamed` one as it is read.  A strided one (a
     transposed view) is copied into C order band by band as the file is
     written (:class:`~pytreeio.registry.Deferred` chunks of about
     :data:`_BAND_BYTES`, made ahead by ``bands``): no transposed copy of the
     whole array exists.
     """
-    if arr.flags.c_contiguous or arr.ndim == 0:
+    if isinstance(arr, Streamed) or arr.flags.c_contiguous or arr.ndim == 0:
         return tuple(npy.encode_npy(arr.reshape(-1)))
     header = npy.npy_header(arr.dtype, (int(arr.size),))
     row_bytes = arr.nbytes // arr.shape[0]
@@ -1575,8 +1594,8 @@ def _arrays_by_layers(
 
 def _flax_array(
     value: Any, ltype: str, args: Mapping[str, Any], s: _Slot, namings: Mapping[str, LayerNaming]
-) -> np.ndarray:
-    arr = np.asarray(value)
+) -> Any:
+    arr = _array(value)
     axes = namings[ltype].axes.get(s.array)
     shapes = _flax_shapes(ltype, args) or {}
     want = shapes.get(s.array)
@@ -1601,7 +1620,7 @@ def _arrays_from_file(
     for i, (ltype, arrs) in enumerate(grouped):
         layer: dict[str, Any] = {}
         for flax, parts in arrs.items():
-            value = np.asarray(_lookup(native, "param", parts))
+            value = _array(_lookup(native, "param", parts))
             axes = namings[ltype].axes.get(flax)
             if axes is not None and value.ndim != len(axes):
                 raise MismatchError(
@@ -1703,7 +1722,7 @@ def _opt_state(
                     raise MismatchError(
                         "expected an array", key_path=f"{where}.{name}", found=describe_leaf(arr)
                     )
-                dest.append(_to_flax(np.asarray(arr), stored, axes, f"{where}.{name}"))
+                dest.append(_to_flax(_array(arr), stored, axes, f"{where}.{name}"))
     if kind == "sgd":
         # cl-waffe2's SGD keeps no step count; pytreeio's sidecar may hold optax's.
         return OptState("sgd", {"learning_rate": float(scalars["lr"])}, count, {})
@@ -1893,5 +1912,6 @@ FORMAT = register(
         accepts_meta=True,
         keeps_meta=False,
         slots=slots,
+        streams=True,
     )
 )
