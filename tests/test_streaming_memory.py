@@ -152,3 +152,42 @@ def test_fortran_order_is_kept_for_a_streamed_transposed_view() -> None:
         buf = pyio.BytesIO()
         np.lib.format.write_array(buf, arr, allow_pickle=False)
         assert Encoded(chunks=tuple(npy.encode_npy(view))).tobytes() == buf.getvalue(), view
+
+
+# --------------------------------------------------------------------------
+# cl-waffe2: a transposed tensor is copied band by band from one read
+# --------------------------------------------------------------------------
+
+#: sources whose kernels are stored (in, out), as Flax holds them: cl-waffe2 stores (out, in)
+TRANSPOSED_INTO_WAFFE2 = {"safetensors", "netcl", "netcl-params", "bullet"}
+
+
+@pytest.mark.parametrize("src", [*SOURCES, FORTRAN_NETCL])
+def test_waffe2_transposes_streamed_tensors_band_by_band(
+    sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, src: str
+) -> None:
+    from pytreeio.fmt import waffe2
+
+    monkeypatch.setattr(waffe2, "_BAND_BYTES", 32 << 10)  # a dozen bands per kernel
+    reads: list[Any] = []
+    band = waffe2._SharedRead.band
+
+    def counted(self: Any, *args: Any) -> Any:
+        reads.append(self.source)
+        return band(self, *args)
+
+    monkeypatch.setattr(waffe2._SharedRead, "band", counted)
+    path, out = sources[src], tmp_path / "out"
+    fmt = src.split(":")[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peak = traced_peak(lambda: ptio.convert(path, out, from_=fmt, to="waffe2", durable=False))
+        want = ptio.convert_buffer(files_of(path, fmt), from_=fmt, to="waffe2", dest=out)
+    assert files_of(out, "waffe2") == {k: v.tobytes() for k, v in want.files.items()}
+    assert peak < BOUND
+    if src in TRANSPOSED_INTO_WAFFE2:  # every kernel, in bands of whole rows, each read once
+        rows = [(OUT, IN), (IN, OUT)] * (LAYERS // 2)  # cl-waffe2's (out, in)
+        assert len(reads) == sum(-(-r // ((32 << 10) // (4 * c))) for r, c in rows)
+        assert len({id(s) for s in reads}) == LAYERS
+    else:  # stored as cl-waffe2 stores it: the transposes cancel, nothing is copied
+        assert reads == []

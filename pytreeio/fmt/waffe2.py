@@ -80,13 +80,15 @@ Element counts and dtypes (a ``<f8`` file into a float32 ``like``) must match.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 import re
+import sys
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -664,14 +666,16 @@ class _Bands:
         self._given: dict[int, np.ndarray] = {}  # the buffer each consuming thread has now
         self._lock = threading.Lock()
 
-    def add(self, part: np.ndarray, whole: int) -> Deferred:
+    def add(self, part: np.ndarray | Callable[[], np.ndarray], nbytes: int, whole: int) -> Deferred:
+        """A band of ``nbytes``: ``part`` (a strided view, or a function making it) copied in C order."""
         from ..transpose import copy_transposed
 
         def make() -> Any:
-            store = self._buffer(part.nbytes)
-            out = store[: part.nbytes].view(part.dtype).reshape(part.shape)
+            view = part if isinstance(part, np.ndarray) else part()
+            store = self._buffer(nbytes)
+            out = store[:nbytes].view(view.dtype).reshape(view.shape)
             try:
-                copy_transposed(part, out, parallel=False, array_nbytes=whole)
+                copy_transposed(view, out, parallel=False, array_nbytes=whole)
             except BaseException:
                 self._release(store)
                 raise
@@ -679,7 +683,7 @@ class _Bands:
 
         index = len(self.makers)
         self.makers.append(make)
-        return Deferred(part.nbytes, lambda: self._take(index, part.nbytes))
+        return Deferred(nbytes, lambda: self._take(index, nbytes))
 
     def _buffer(self, nbytes: int) -> np.ndarray:
         """A free buffer of at least ``nbytes`` (a new one when none is)."""
@@ -718,15 +722,70 @@ def _npy_chunks(arr: Any, bands: _Bands) -> tuple[Any, ...]:
     :data:`_BAND_BYTES`, made ahead by ``bands``): no transposed copy of the
     whole array exists.
     """
-    if isinstance(arr, Streamed) or arr.flags.c_contiguous or arr.ndim == 0:
+    if isinstance(arr, Streamed):
+        return _streamed_npy_chunks(arr, bands)
+    if arr.flags.c_contiguous or arr.ndim == 0:
         return tuple(npy.encode_npy(arr.reshape(-1)))
     header = npy.npy_header(arr.dtype, (int(arr.size),))
-    row_bytes = arr.nbytes // arr.shape[0]
-    step = max(1, _BAND_BYTES // max(1, row_bytes))
     return (
         header,
-        *(bands.add(arr[i : i + step], arr.nbytes) for i in range(0, arr.shape[0], step)),
+        *(
+            bands.add(arr[i:j], (j - i) * arr.nbytes // arr.shape[0], arr.nbytes)
+            for i, j in _band_rows(arr)
+        ),
     )
+
+
+def _band_rows(arr: Any) -> list[tuple[int, int]]:
+    """``[start, stop)`` rows of ``arr`` in bands of about :data:`_BAND_BYTES`."""
+    rows = int(arr.shape[0])
+    step = max(1, _BAND_BYTES // max(1, arr.nbytes // max(1, rows)))
+    return [(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+def _streamed_npy_chunks(arr: Streamed, bands: _Bands) -> tuple[Any, ...]:
+    """:func:`_npy_chunks` of a conversion's streamed array.
+
+    A transposed view of a larger array is read once (its base, as stored in
+    the source) and copied into C order band by band, as an in-memory view
+    is: the file being written holds the array read and a few bands, not a
+    transposed copy of it as well.  Anything else is read whole when written.
+    """
+    base, axes = arr.transposition()
+    if base is arr or arr.nbytes <= _BAND_BYTES or sys.byteorder != "little":
+        return tuple(npy.encode_npy(arr.reshape(-1)))
+    read = _SharedRead(base)
+    spans = _band_rows(arr)
+    read.uses = len(spans)
+    row_bytes = arr.nbytes // arr.shape[0]
+    return (
+        npy.npy_header(arr.dtype.newbyteorder("<"), (int(arr.size),)),
+        *(
+            bands.add(functools.partial(read.band, axes, i, j), (j - i) * row_bytes, arr.nbytes)
+            for i, j in spans
+        ),
+    )
+
+
+class _SharedRead:
+    """One read of a streamed array shared by the bands cut from it, dropped after the last."""
+
+    def __init__(self, source: Streamed) -> None:
+        self.source = source
+        self.uses = 0
+        self._array: np.ndarray | None = None
+        self._lock = threading.Lock()
+
+    def band(self, axes: tuple[int, ...], start: int, stop: int) -> np.ndarray:
+        """Rows ``[start, stop)`` of the array read, transposed by ``axes`` (a strided view)."""
+        with self._lock:
+            if self._array is None:
+                self._array = self.source.read()
+            arr = self._array
+            self.uses -= 1
+            if self.uses <= 0:
+                self._array = None  # the band's view keeps it alive until copied
+        return arr.transpose(axes)[start:stop]
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
