@@ -421,6 +421,28 @@ def test_large_checkpoint_streams_in_bounded_memory() -> None:
                 assert np.array_equal(got, want)
 
 
+def test_large_checkpoint_streams_into_an_npz_in_bounded_memory() -> None:
+    """A model format's encoder streams too: zip members written as read, headers last."""
+    import zipfile
+
+    with tempfile.TemporaryDirectory(dir=scratch_dir()) as tmp:
+        src, dst = Path(tmp) / "ckpt", Path(tmp) / "params.npz"
+        write_big_bullet(src)
+        growth = convert_in_child(src, dst, "netcl-params")
+        assert growth < LIMIT_MB, growth  # the whole checkpoint would be 1024 MiB
+        print(f"peak RSS growth {growth} MiB converting into netcl-params")
+        with zipfile.ZipFile(dst) as z:  # Python's zip reader checks each member's CRC-32
+            names = z.namelist()
+            assert names == [f"p{i}.npy" for i in range(2 * N_TENSORS)]
+            for k in (0, 1, N_TENSORS - 1):  # layer k: weight p{2k}, bias p{2k+1}
+                with z.open(f"p{2 * k}.npy") as member:
+                    weight = np.lib.format.read_array(member)
+                assert weight.shape == (ROWS, COLS)
+                assert np.array_equal(weight.reshape(-1), expected(k))
+                with z.open(f"p{2 * k + 1}.npy") as member:
+                    assert np.array_equal(np.lib.format.read_array(member), big(COLS, k))
+
+
 #: A Tiny Llama of ~490 MiB in 16 MiB matrices: d_model 1024, ffn 4096, 10 layers.
 LLAMA = {
     "d_model": 1024,
