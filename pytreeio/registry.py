@@ -537,13 +537,8 @@ class Streamed:
         Writers of layouts with a Fortran order (``.npy``) store a reversed
         transpose as its base's bytes, as numpy stores a transposed view.
         """
-        fn = getattr(self, "fn", None)
-        if (
-            isinstance(self, Derived)
-            and isinstance(fn, functools.partial)
-            and fn.func is _transposed
-        ):
-            return self.base, fn.keywords["axes"]
+        if isinstance(self, Derived) and getattr(self.fn, "func", None) is _transposed:
+            return self.base, self.fn.keywords["axes"]  # type: ignore[attr-defined]
         return self, tuple(range(self.ndim))
 
     def c_order(self) -> Streamed:

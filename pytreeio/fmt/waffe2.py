@@ -726,21 +726,25 @@ def _npy_chunks(arr: Any, bands: _Bands) -> tuple[Any, ...]:
         return _streamed_npy_chunks(arr, bands)
     if arr.flags.c_contiguous or arr.ndim == 0:
         return tuple(npy.encode_npy(arr.reshape(-1)))
-    header = npy.npy_header(arr.dtype, (int(arr.size),))
-    return (
-        header,
-        *(
-            bands.add(arr[i:j], (j - i) * arr.nbytes // arr.shape[0], arr.nbytes)
-            for i, j in _band_rows(arr)
-        ),
-    )
+    return _banded(arr, arr.dtype, lambda i, j: arr[i:j], bands)
 
 
-def _band_rows(arr: Any) -> list[tuple[int, int]]:
-    """``[start, stop)`` rows of ``arr`` in bands of about :data:`_BAND_BYTES`."""
+def _banded(
+    arr: Any, dtype: np.dtype[Any], rows_of: Callable[[int, int], Any], bands: _Bands
+) -> tuple[Any, ...]:
+    """The 1-D ``.npy`` of ``arr``: its header, then rows ``rows_of(i, j)`` copied in bands.
+
+    Bands are whole rows, about :data:`_BAND_BYTES` each; ``dtype`` is the
+    stored (little-endian) dtype.
+    """
     rows = int(arr.shape[0])
-    step = max(1, _BAND_BYTES // max(1, arr.nbytes // max(1, rows)))
-    return [(i, min(i + step, rows)) for i in range(0, rows, step)]
+    row_bytes = arr.nbytes // rows
+    step = max(1, _BAND_BYTES // max(1, row_bytes))
+    spans = [(i, min(i + step, rows)) for i in range(0, rows, step)]
+    return (
+        npy.npy_header(dtype, (int(arr.size),)),
+        *(bands.add(rows_of(i, j), (j - i) * row_bytes, arr.nbytes) for i, j in spans),
+    )
 
 
 def _streamed_npy_chunks(arr: Streamed, bands: _Bands) -> tuple[Any, ...]:
@@ -754,30 +758,27 @@ def _streamed_npy_chunks(arr: Streamed, bands: _Bands) -> tuple[Any, ...]:
     base, axes = arr.transposition()
     if base is arr or arr.nbytes <= _BAND_BYTES or sys.byteorder != "little":
         return tuple(npy.encode_npy(arr.reshape(-1)))
-    read = _SharedRead(base)
-    spans = _band_rows(arr)
-    read.uses = len(spans)
-    row_bytes = arr.nbytes // arr.shape[0]
-    return (
-        npy.npy_header(arr.dtype.newbyteorder("<"), (int(arr.size),)),
-        *(
-            bands.add(functools.partial(read.band, axes, i, j), (j - i) * row_bytes, arr.nbytes)
-            for i, j in spans
-        ),
-    )
+    read = _SharedRead(base, axes)
+    return _banded(arr, arr.dtype.newbyteorder("<"), read.rows, bands)
 
 
 class _SharedRead:
     """One read of a streamed array shared by the bands cut from it, dropped after the last."""
 
-    def __init__(self, source: Streamed) -> None:
+    def __init__(self, source: Streamed, axes: tuple[int, ...]) -> None:
         self.source = source
+        self.axes = axes
         self.uses = 0
         self._array: np.ndarray | None = None
         self._lock = threading.Lock()
 
-    def band(self, axes: tuple[int, ...], start: int, stop: int) -> np.ndarray:
-        """Rows ``[start, stop)`` of the array read, transposed by ``axes`` (a strided view)."""
+    def rows(self, start: int, stop: int) -> Callable[[], np.ndarray]:
+        """A band's maker: rows ``[start, stop)`` of the transposed array (one more use)."""
+        self.uses += 1
+        return functools.partial(self.band, start, stop)
+
+    def band(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``[start, stop)`` of the array read, transposed (a strided view)."""
         with self._lock:
             if self._array is None:
                 self._array = self.source.read()
@@ -785,7 +786,7 @@ class _SharedRead:
             self.uses -= 1
             if self.uses <= 0:
                 self._array = None  # the band's view keeps it alive until copied
-        return arr.transpose(axes)[start:stop]
+        return arr.transpose(self.axes)[start:stop]
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
