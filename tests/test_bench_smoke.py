@@ -71,7 +71,12 @@ def test_tiny_run_writes_json_and_markdown(bench_all, tmp_path: Path) -> None:  
         assert r["added"] >= 0
         assert r["verdict"] == "PASS" or r["verdict"].startswith("MISS")
 
-    assert any(r["name"].startswith("inspect msgpack") for r in data["misc"])
+    inspected = [r for r in data["misc"] if r["name"].startswith("inspect ")]
+    assert {r["name"].split(" (")[0] for r in inspected} == {
+        "inspect msgpack",
+        "inspect bullet quantised",
+    }
+    assert all(r["seconds"] > 0 for r in inspected)
     md = (out / "latest.md").read_text()
     assert "| pytreeio msgpack | file |" in md and "### Peak memory" in md
     assert results["config"] == data["config"]
