@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -429,30 +430,58 @@ def bench_throughput(run: Run) -> None:
 # --------------------------------------------------------------------------
 
 
+@dataclass
+class PerLeafLib:
+    """One library (or format) in the per-leaf race: its file and how it saves and loads it."""
+
+    name: str
+    leaves: int
+    path: Path
+    save: Callable[[Path], Any]
+    load: Callable[[Path], Any] | None
+    like: Callable[[Path], Any] | None
+
+
 def bench_per_leaf(run: Run) -> None:
+    """Per-leaf cost: every format and the peers on a tree of ``--leaves`` small leaves.
+
+    The tree is a layered model (:func:`cases.many_leaves_tree`), so every
+    format saves it; Tiny Llama, whose records are fixed by its config, saves
+    a model of as many leaves.  Cost is the best round's time / leaves.
+    """
     n = run.args.leaves
     tree = C.many_leaves_tree(n)
+    llama, llama_cfg = C.many_leaves_tinyllama(n)
+    trees, configs = {"mlp": tree, "tinyllama": llama}, {"tinyllama": llama_cfg}
+    leaves = {k: len(ptio.flatten(t)) for k, t in trees.items()}
     d = run.work / "leaves"
     d.mkdir(parents=True, exist_ok=True)
-    libs: list[
-        tuple[str, Path, Callable[[Path], Any], Callable[[Path], Any], Callable[[Path], Any] | None]
-    ] = []
-    for fmt in ("msgpack", "safetensors"):
+    libs: list[PerLeafLib] = []
+    for case in C.format_cases(len(tree["params"])):
+        if case.load_options:
+            continue  # the same file as another case
+        t = trees[case.tree]
+        kwargs = C.save_kwargs(case, trees, configs)
+        like = t if case.tree == "mlp" else None  # a native Tiny Llama tree restores as itself
         libs.append(
-            (
-                f"pytreeio {fmt}",
-                d / f"t.{fmt}",
-                lambda p, f=fmt: ptio.save(p, tree, format=f, durable=False),
-                lambda p: ptio.load(p),
-                lambda p: ptio.load(p, like=tree),
+            PerLeafLib(
+                f"pytreeio {case.name}",
+                leaves[case.tree],
+                d / slug(case.name) / case.dest,
+                lambda p, t=t, kw=kwargs: ptio.save(p, t, durable=False, **kw),
+                lambda p, f=case.format: ptio.load(p, format=f),
+                None
+                if like is None
+                else lambda p, f=case.format: ptio.load(p, format=f, like=tree),
             )
         )
     names = {p.name for p in P.available()}
     if "safetensors.numpy" in names:
         libs.append(
-            (
+            PerLeafLib(
                 "safetensors.numpy",
-                d / "peer.safetensors",
+                leaves["mlp"],
+                d / "peer" / "peer.safetensors",
                 lambda p: P.safetensors_save(p, tree),
                 lambda p: P.safetensors_load(p, tree),
                 None,
@@ -460,35 +489,53 @@ def bench_per_leaf(run: Run) -> None:
         )
     if "flax.serialization" in names:
         libs.append(
-            (
+            PerLeafLib(
                 "flax.serialization",
-                d / "flax.msgpack",
+                leaves["mlp"],
+                d / "peer" / "flax.msgpack",
                 lambda p: P.flax_save(p, tree),
                 None,
                 lambda p: P.flax_load(p, tree),
             )
         )
-    libs = [lib for lib in libs if run.wanted("per-leaf", lib[0])]
+    if "np.savez" in names:
+        libs.append(
+            PerLeafLib(
+                "np.savez",
+                leaves["mlp"],
+                d / "peer" / "np.npz",
+                lambda p: P.savez_save(p, tree),
+                lambda p: P.savez_load(p, tree),
+                None,
+            )
+        )
+    libs = [lib for lib in libs if run.wanted("per-leaf", lib.name)]
     if not libs:
         return
     cases: dict[tuple[str, str], Case] = {}
-    for name, path, save, load, like in libs:
-        save(path)
-        cases[(name, "save")] = Case(f"{name} save", lambda s=save, p=path: s(p))
-        if load is not None:
-            cases[(name, "load")] = Case(f"{name} load", lambda f=load, p=path: f(p))
-        if like is not None:
-            cases[(name, "load_like")] = Case(f"{name} load like", lambda f=like, p=path: f(p))
+    for lib in libs:
+        lib.path.parent.mkdir(parents=True, exist_ok=True)
+        lib.save(lib.path)
+        cases[(lib.name, "save")] = Case(f"{lib.name} save", lambda s=lib.save, p=lib.path: s(p))
+        if lib.load is not None:
+            cases[(lib.name, "load")] = Case(
+                f"{lib.name} load", lambda f=lib.load, p=lib.path: f(p)
+            )
+        if lib.like is not None:
+            cases[(lib.name, "load_like")] = Case(
+                f"{lib.name} load like", lambda f=lib.like, p=lib.path: f(p)
+            )
     run.log(f"per-leaf: {len(cases)} cases x {max(run.repeat, 5)} rounds")
     race(list(cases.values()), max(run.repeat, 5))
+    count = {lib.name: lib.leaves for lib in libs}
 
     def us(name: str, op: str) -> float | None:
         c = cases.get((name, op))
-        return None if c is None or c.error or not c.times else c.best / n * 1e6
+        return None if c is None or c.error or not c.times else c.best / count[name] * 1e6
 
     ref = "safetensors.numpy"
     rows = []
-    for name, *_ in libs:
+    for name in count:
         row = {
             "name": name,
             "save": us(name, "save"),
@@ -506,6 +553,9 @@ def bench_per_leaf(run: Run) -> None:
         row["verdict"] = report.verdict(checks)
         rows.append(row)
     run.results["per_leaf"] = {"leaves": n, "rows": rows}
+    for name, c in cases.items():
+        if c.error is not None:
+            run.results["errors"].append(f"per-leaf {name[0]} {name[1]}: {c.error}")
     shutil.rmtree(d, ignore_errors=True)
 
 

@@ -180,5 +180,29 @@ def build_trees(
 
 
 def many_leaves_tree(leaves: int) -> dict[str, Any]:
-    """The per-leaf cost tree: ``leaves`` leaves of 64 float32 each."""
-    return {"params": {f"m{i:05d}": {"w": np.full(64, i, np.float32)} for i in range(leaves)}}
+    """The per-leaf cost tree: ``leaves // 2`` Linear layers of an 8x8 kernel and 8 biases.
+
+    A layered model, so that every format (the model formats too) saves the
+    same tree; values are N(0, 1) float32, within bullet's i16 quantisation.
+    """
+    block = np.random.default_rng(1).standard_normal(1 << 12, dtype=np.float32)
+    return {
+        "params": {
+            f"Dense_{i}": {
+                "kernel": _filled((8, 8), block, (i * 61) % block.size),
+                "bias": _filled((8,), block, (i * 67) % block.size),
+            }
+            for i in range(max(1, leaves // 2))
+        }
+    }
+
+
+#: Leaves per Tiny Llama layer (wq, wk, wv, wo, w1, b1, w2, b2, ln1 and ln2 scale and bias).
+TINYLLAMA_LAYER_LEAVES = 12
+
+
+def many_leaves_tinyllama(leaves: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tree, config) of a Tiny Llama model of about ``leaves`` leaves of 8 to 64 float32."""
+    cfg = {"d_model": 8, "n_heads": 1, "ffn_hidden_dim": 8, "max_seq_len": 8, "vocab_size": 8}
+    cfg |= {"n_layers": max(1, (leaves - 3) // TINYLLAMA_LAYER_LEAVES), "dropout": 0.0}
+    return tinyllama_tree(cfg), cfg
