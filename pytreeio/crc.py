@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import zlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .binary import Buffer, as_memoryview
 from .pools import LazyPool, cores
@@ -141,14 +141,13 @@ def crc32_many(buffers: Sequence[Sequence[Buffer]]) -> list[int]:
     buffers and many small ones both keep every core busy.
     """
     hash_, comb = _backend()
-    items = [_pieces(chunks) for chunks in buffers]
-    total = sum(len(p) for pieces in items for p in pieces)
-    if total < _PARALLEL_MIN:
-        results: list[Any] = [[hash_(p) for p in pieces] for pieces in items]
-    else:
-        workers = pool()
-        futures = [[workers.submit(hash_, p) for p in pieces] for pieces in items]
-        results = [[f.result() for f in fs] for fs in futures]
+    views = [[as_memoryview(c) for c in chunks] for chunks in buffers]
+    if sum(len(v) for vs in views for v in vs) < _PARALLEL_MIN:
+        return [_sequential(vs) for vs in views]  # each hash continues the last: no combine
+    items = [_pieces(vs) for vs in views]
+    workers = pool()
+    futures = [[workers.submit(hash_, p) for p in pieces] for pieces in items]
+    results = [[f.result() for f in fs] for fs in futures]
     out: list[int] = []
     for pieces, crcs in zip(items, results):
         value = 0

@@ -45,6 +45,7 @@ possibly made of ``jax.ShapeDtypeStruct`` leaves (``jax.eval_shape``).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -102,13 +103,18 @@ class LayerSpec:
     stats: tuple[str, ...] = ()
     flax: str | None = None
 
-    @property
+    # Cached: layer checks ask these once per layer, and models have thousands of layers.
+    @functools.cached_property
     def arrays(self) -> tuple[str, ...]:
         return self.params + self.stats
 
-    @property
+    @functools.cached_property
     def arg_names(self) -> tuple[str, ...]:
         return tuple(k for k, _ in self.args)
+
+    @functools.cached_property
+    def arg_set(self) -> frozenset[str]:
+        return frozenset(self.arg_names)
 
 
 LAYERS: dict[str, LayerSpec] = {
@@ -149,12 +155,26 @@ LAYERS: dict[str, LayerSpec] = {
 
 _FLAX_KIND = {spec.flax: name for name, spec in LAYERS.items() if spec.flax}
 _FLAX_NAME = re.compile(r"^(Dense|Conv|BatchNorm|layers)_(0|[1-9][0-9]{0,5})$")
+#: Arguments that must be positive integers.
+_POSITIVE_ARGS = frozenset(
+    {
+        "in_features",
+        "out_features",
+        "in_channels",
+        "out_channels",
+        "kernel_size",
+        "num_features",
+        "groups",
+        "stride",
+        "dilation",
+    }
+)
 #: Keys of a layer entry that describe it but are not arguments.
 _ENTRY_NOTES = frozenset({"name", "trainable"})
 
 
 def _shape(a: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in a.shape)
+    return tuple(map(int, a.shape))
 
 
 # --------------------------------------------------------------------------
@@ -233,17 +253,7 @@ def layer_problems(ltype: str, args: Mapping[str, Any], arrays: Mapping[str, Any
     for k, v in full.items():
         if v is REQUIRED:
             out.append(f"{ltype} needs {k!r}")
-        elif k in (
-            "in_features",
-            "out_features",
-            "in_channels",
-            "out_channels",
-            "kernel_size",
-            "num_features",
-            "groups",
-            "stride",
-            "dilation",
-        ) and (type(v) is not int or v < (0 if k == "pad" else 1) or v > 1 << 40):
+        elif k in _POSITIVE_ARGS and (type(v) is not int or v < 1 or v > 1 << 40):
             out.append(f"{k} must be a positive integer, found {v!r}")
     if out:
         return out
@@ -312,10 +322,11 @@ def entry_parts(entry: Any, index: int) -> tuple[str, dict[str, Any], bool]:
         raise MismatchError(
             f"unknown layer type {ltype!r}; known: {sorted(LAYERS)}", key_path=f"{where}.type"
         )
-    unknown = sorted(str(k) for k in args if k not in LAYERS[ltype].arg_names)
+    known = LAYERS[ltype].arg_set
+    unknown = [k for k in args if k not in known]
     if unknown:
         raise MismatchError(
-            f"unknown args {unknown} for {ltype}",
+            f"unknown args {sorted(map(str, unknown))} for {ltype}",
             key_path=f"{where}.args",
             expected=list(LAYERS[ltype].arg_names),
         )

@@ -38,6 +38,7 @@ dtypes with a non-zero item size only, and shapes checked with
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import struct
 from collections.abc import Iterable, Sequence
@@ -102,14 +103,15 @@ class NpyHeader:
     version: tuple[int, int]
     data_offset: int  # from the start of the .npy bytes
 
-    @property
+    # Cached: a parsed header is shared by the arrays of a file that have the same one.
+    @functools.cached_property
     def count(self) -> int:
         n = 1
         for d in self.shape:
             n *= d
         return n
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.count * self.dtype.itemsize
 
@@ -251,11 +253,11 @@ def read_npy(
             f"{field}.data",
             data_at,
         )
+    # The header's shape passed check_shape when it was parsed and its bytes are all there:
+    # numpy can take both as they are.
     if h.fortran_order and len(h.shape) > 1:
-        arr = r.array(h.dtype, h.shape[::-1], f"{field}.data").transpose()
-    else:
-        arr = r.array(h.dtype, h.shape, f"{field}.data")
-    return arr
+        return np.ndarray(h.shape[::-1], h.dtype, buffer=r.view, offset=r.pos).transpose()
+    return np.ndarray(h.shape, h.dtype, buffer=r.view, offset=r.pos)
 
 
 def _descr(dtype: np.dtype[Any]) -> str:
@@ -275,9 +277,22 @@ def npy_header(dtype: Any, shape: tuple[int, ...], fortran_order: bool = False) 
     Version 1.0 unless the header needs more than 65535 bytes (then 2.0),
     exactly as ``numpy.lib.format`` guesses it.
     """
-    dt = np.dtype(dtype)
-    shape = tuple(int(d) for d in shape)
-    text = f"{{'descr': {_descr(dt)!r}, 'fortran_order': {fortran_order!r}, 'shape': {shape!r}, }}"
+    dt = dtype if type(dtype) is np.dtype else np.dtype(dtype)
+    key = (_descr(dt), tuple(map(int, shape)), bool(fortran_order))
+    made = _HEADERS.get(key)
+    if made is None:
+        if len(_HEADERS) >= _PARSED_MAX:
+            _HEADERS.clear()
+        made = _HEADERS[key] = _make_npy_header(*key)
+    return made
+
+
+#: Headers made before, by (descr, shape, fortran_order): a model's layers share a few shapes.
+_HEADERS: dict[tuple[str, tuple[int, ...], bool], bytes] = {}
+
+
+def _make_npy_header(descr: str, shape: tuple[int, ...], fortran_order: bool) -> bytes:
+    text = f"{{'descr': {descr!r}, 'fortran_order': {fortran_order!r}, 'shape': {shape!r}, }}"
     if shape:
         text += " " * (GROWTH_AXIS_MAX_DIGITS - len(repr(shape[-1 if fortran_order else 0])))
     raw = text.encode("latin1")
@@ -396,8 +411,12 @@ def read_npz(
         _zip.check_crcs(src, [(m, data) for _, m, data in members if m.name not in checked])
     out: dict[str, np.ndarray] = {}
     for key, m, data in members:
-        r = _member_reader(src, m, data)
-        out[key] = read_npy(r.view, source=r.source, start=r.start, field=f"{key}.npy")
+        # what _member_reader says of a member, without building a reader for it
+        if m.method == _zip.STORED:
+            where, stored_start = src.name, m.data_offset
+        else:
+            where, stored_start = f"{src.name or '<buffer>'}:{m.name}", 0
+        out[key] = read_npy(data, source=where, start=stored_start, field=f"{key}.npy")
     return out
 
 
