@@ -1140,7 +1140,7 @@ class FileSet(Mapping[str, Any]):
         fds: Mapping[str, int] | None = None,
         dir_fd: int | None = None,
     ) -> None:
-        self.paths = {k: Path(v) for k, v in paths.items()}
+        self.paths = {k: v if isinstance(v, Path) else Path(v) for k, v in paths.items()}
         self._mmap = mmap
         self._headers = headers
         self._fds: dict[str, int] = dict(fds or {})

@@ -288,7 +288,7 @@ def entry_parts(entry: Any, index: int) -> tuple[str, dict[str, Any], bool]:
     args: dict[str, Any]
     if isinstance(entry, str):
         ltype, args = entry, {}
-    elif isinstance(entry, Mapping):
+    elif type(entry) is dict or isinstance(entry, Mapping):  # dict first: ABC checks are slow
         if "type" not in entry:
             raise MismatchError(
                 "a layer entry needs a 'type'", key_path=where, found=sorted(map(str, entry))

@@ -1192,3 +1192,20 @@ def test_registered() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert w.FORMAT is fmt
+
+
+def test_read_ahead_in_runs_reports_a_bad_file_at_its_own_entry(tmp_path: Path) -> None:
+    """Tensor files are read ahead a run of several per job; a damaged one in the middle of a
+    run is still reported by name, and every file before it loads as written."""
+    params = dense_params([(3, 3, True)] * 60)  # 120 tensor files: several per job
+    d = tmp_path / "m.wf2model"
+    ptio.save(d, params, format="waffe2")
+    back = ptio.load(d, like=params)
+    assert all(same_bits(back[k][n], params[k][n]) for k in params for n in params[k])
+    names = sorted(p.name for p in d.iterdir() if p.suffix == ".npy")
+    assert len(names) == 120
+    victim = d / names[61]
+    victim.write_bytes(b"\x93NUMPX" + victim.read_bytes()[6:])  # wrong magic
+    with pytest.raises(FormatError) as err:
+        ptio.load(d, like=params)
+    assert str(err.value.path).endswith(names[61]) and "magic" in (err.value.field or "")

@@ -1057,16 +1057,14 @@ def decode(source: Mapping[str, Any]) -> Decoded:
 
 def _files_named(checked: Sequence[tuple[str, StateDictKey, Any]], names: Any) -> list[str]:
     """The tensor files the entries name, in order, up to the first bad path (raised in turn)."""
-    out: list[str] = []
+    out: dict[str, None] = {}  # ordered and unique
     for raw, _, value in checked:
         if isinstance(value, str):
             try:
-                name = tensor_file(value, raw, names)
+                out[tensor_file(value, raw, names)] = None
             except FormatError:
                 break
-            if name not in out:
-                out.append(name)
-    return out
+    return list(out)
 
 
 class _ReadAhead:
@@ -1074,7 +1072,10 @@ class _ReadAhead:
 
     One file at a time reads below the disk's speed (~0.7x of two readers);
     reading them side by side gets it.  Each file is read once, however many
-    entries name it; errors come out at the entry that names the file.
+    entries name it; errors come out at the entry that names the file.  A
+    job reads a run of consecutive files, about :data:`_JOBS_PER_THREAD` jobs
+    per pool thread: a hand-off to the pool costs more than reading a small
+    file, and thousands of them would cost more than the reads.
     """
 
     def __init__(self, source: Mapping[str, Any], names: Sequence[str]) -> None:
@@ -1082,15 +1083,23 @@ class _ReadAhead:
         self._done: dict[str, np.ndarray] = {}
         self._jobs: dict[str, Any] = {}
         if len(names) > 1:
+            from ..pools import cores
             from ..transpose import pool
 
             workers = pool()
-            self._jobs = {n: workers.submit(_read_tensor, source, n) for n in names}
+            per_job = max(1, len(names) // (cores() * _JOBS_PER_THREAD))
+            for at in range(0, len(names), per_job):
+                run = names[at : at + per_job]
+                job = workers.submit(_read_run, source, run)
+                self._jobs.update(dict.fromkeys(run, job))
 
     def get(self, name: str) -> np.ndarray:
         if name not in self._done:
             job = self._jobs.pop(name, None)
-            self._done[name] = job.result() if job else _read_tensor(self._source, name)
+            value = job.result()[name] if job else _read_tensor(self._source, name)
+            if isinstance(value, Exception):
+                raise value
+            self._done[name] = value
         return self._done[name]
 
     def close(self) -> None:
@@ -1101,6 +1110,25 @@ class _ReadAhead:
             if not job.cancelled():
                 job.exception()
         self._jobs = {}
+
+
+#: Read-ahead jobs per pool thread (see :class:`_ReadAhead`).
+_JOBS_PER_THREAD = 8
+
+
+def _read_run(source: Mapping[str, Any], names: Sequence[str]) -> dict[str, np.ndarray | Exception]:
+    """The tensors of ``names``, in order; a file that fails gives its error in its place.
+
+    The error is raised by :meth:`_ReadAhead.get` for the entry that names
+    that file, so a bad file later in a run does not hide the good ones before it.
+    """
+    out: dict[str, Any] = {}
+    for name in names:
+        try:
+            out[name] = _read_tensor(source, name)
+        except Exception as exc:  # re-raised where the file is asked for
+            out[name] = exc
+    return out
 
 
 def _apply_shapes(

@@ -172,12 +172,19 @@ def parse_state_dict_key(key: str) -> StateDictKey:
     return StateDictKey(prefix, parts)
 
 
+#: Characters a key part cannot hold (they separate prefix, parts and path components).
+_NOT_IN_PART = re.compile(r"[.:/\x00]")
+
+
 def _lisp_name(part: Any, what: str) -> str:
     """A key part as ``~(~a~)`` prints it, refused when it would not parse back."""
-    if isinstance(part, bool) or not isinstance(part, str | int | np.integer):
+    if type(part) is str:  # the common case first: this runs for every part of every key
+        text = part.lower()
+    elif isinstance(part, bool) or not isinstance(part, str | int | np.integer):
         raise EncodeError(f"{what} must be a string or an integer, not {type(part).__name__}")
-    text = str(int(part)) if not isinstance(part, str) else part.lower()
-    if not text or any(c in text for c in ".:/\0"):
+    else:
+        text = str(int(part)) if not isinstance(part, str) else part.lower()
+    if not text or _NOT_IN_PART.search(text) is not None:
         raise EncodeError(
             f"{what} {part!r} cannot be a key part (empty, or holds '.', ':', '/' or NUL)"
         )
