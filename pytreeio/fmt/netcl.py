@@ -121,7 +121,7 @@ def _file_entries(meta: Mapping[str, Any], name: str) -> list[dict[str, Any]]:
             raise FormatError("args must be an object", path=name, field=f"{field}.args")
         spec = LAYERS[ltype]
         missing = [k for k, d in spec.args if d is REQUIRED and k not in args]
-        unknown = sorted(str(k) for k in args if k not in spec.arg_names)
+        unknown = sorted(str(k) for k in args if k not in spec.arg_set) if args else []
         if missing or unknown:
             what = f"missing required arg {missing[0]!r}" if missing else f"unknown args {unknown}"
             raise FormatError(f"{ltype} is {what}", path=name, field=f"{field}.args")

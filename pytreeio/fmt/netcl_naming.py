@@ -82,9 +82,13 @@ def to_netcl(arr: Any) -> Any:
     return transpose(arr, _HWIO_TO_OIHW)
 
 
+#: netcl array name -> common-form name, per layer type (the inverse of :data:`NAMES`).
+_COMMON_NAMES = {t: {v: k for k, v in names.items()} for t, names in NAMES.items()}
+
+
 def layer_to_common(ltype: str, arrays: Mapping[str, Any], where: str) -> dict[str, Any]:
     """One layer's netcl-named arrays under common-form names and orientation."""
-    names = {v: k for k, v in NAMES.get(ltype, {}).items()}
+    names = _COMMON_NAMES.get(ltype, {})
     unknown = sorted(k for k in arrays if k not in names)
     if unknown:
         raise MismatchError(f"unexpected array(s) {unknown} for a {ltype} layer", key_path=where)
