@@ -805,6 +805,8 @@ def encode_stored(
     produced after the last member, waits for every hash.  The bytes are the same.
     """
     named: list[tuple[str, Sequence[Any]]] = []
+    sizes: list[int] = []
+    late: list[bool] = []
     seen: set[str] = set()
     for name, chunks in members:
         try:
@@ -814,12 +816,16 @@ def encode_stored(
         if name in seen:
             raise EncodeError(f"duplicate member name {name!r}", key_path=name)
         seen.add(name)
-        named.append((name, [_buffer_or_deferred(c) for c in chunks]))
-    sizes = [sum(chunk_nbytes(c) for c in chunks) for _, chunks in named]
-    late = [
-        any(isinstance(c, Deferred) for c in chunks) or (overlap and size >= OVERLAP_MIN)
-        for (_, chunks), size in zip(named, sizes)
-    ]
+        flat = [_buffer_or_deferred(c) for c in chunks]
+        named.append((name, flat))
+        size, deferred = 0, False
+        for c in flat:  # one pass: archives of thousands of small arrays make this add up
+            if isinstance(c, Deferred):
+                size, deferred = size + c.nbytes, True
+            else:
+                size += len(c)  # a flat byte view's length is its size
+        sizes.append(size)
+        late.append(deferred or (overlap and size >= OVERLAP_MIN))
     # The CRC-32 of every member hashed now, on all cores at once.
     eager = iter(_crc.crc32_many([chunks for (_, chunks), d in zip(named, late) if not d]))
     w = Writer()
