@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -347,6 +347,10 @@ class Reader:
         return np.ndarray(dims, dt, buffer=self.view, offset=pos)
 
 
+#: Buffers shorter than this are copied into a writer's pending bytes; longer ones are referenced.
+_SMALL_CHUNK = 4096
+
+
 class Writer:
     """Collects an encoding as a list of chunks without copying array data.
 
@@ -368,13 +372,13 @@ class Writer:
 
     def raw(self, data: Buffer) -> None:
         """Append bytes; large buffers are referenced, small ones copied."""
-        if type(data) is bytes and len(data) < 4096:
+        if type(data) is bytes and len(data) < _SMALL_CHUNK:
             self._pending += data
             self.nbytes += len(data)
             return
         view = as_memoryview(data)
         n = len(view)
-        if n >= 4096:
+        if n >= _SMALL_CHUNK:
             self._flush()
             self.chunks.append(view)
         else:
@@ -437,6 +441,8 @@ class Writer:
                     self.deferred(chunk)
                 return
         a = arr if type(arr) is np.ndarray else np.asarray(arr)
+        if dtype is not None and a.dtype == dtype and a.dtype.byteorder != ">":
+            dtype = None  # already the little-endian dtype asked for: written as it is
         if dtype is None and a.dtype.byteorder != ">" and a.flags.c_contiguous and a.nbytes:
             try:  # the common case, ~3x faster than reshape/view/data
                 view = memoryview(a).cast("B")  # type: ignore[arg-type]
@@ -455,6 +461,40 @@ class Writer:
             a = a.copy(order="C")
         if a.nbytes:
             self.raw(a.reshape(-1).view(np.uint8).data)
+
+    def extend(self, parts: Iterable[Any], dtype: Any) -> None:
+        """:meth:`raw` each ``bytes`` and :meth:`array` ``(part, dtype)`` each other part, in order.
+
+        The same bytes as those calls; runs of small pieces (which they copy
+        anyway) are joined in one copy instead, as the calls' overhead, not
+        the copy, is what a file of many tiny tensors costs.
+        """
+        want = np.dtype(dtype).newbyteorder("<")
+        joinable = want.kind in "biuf"  # dtypes the buffer protocol has
+        run: list[Any] = []
+        for part in parts:
+            if type(part) is bytes:
+                if len(part) < _SMALL_CHUNK:
+                    run.append(part)
+                    continue
+            elif (
+                joinable
+                and type(part) is np.ndarray
+                and part.nbytes < _SMALL_CHUNK
+                and part.dtype == want
+                and part.flags.c_contiguous
+            ):
+                run.append(part)
+                continue
+            if run:
+                self.raw(b"".join(run))
+                run = []
+            if type(part) is bytes:
+                self.raw(part)
+            else:
+                self.array(part, dtype)
+        if run:
+            self.raw(b"".join(run))
 
     def finish(self) -> list[Buffer]:
         """The chunks written so far (the writer may not be used afterwards)."""

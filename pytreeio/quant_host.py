@@ -77,17 +77,18 @@ _F32_EXACT = float(2**22)
 
 
 class _Scratch:
-    """One thread's block buffers (allocated once per call and thread)."""
+    """One thread's block buffers (allocated once per call and thread) for blocks of up to ``n`` values."""
 
-    def __init__(self) -> None:
-        self.p = np.empty(BLOCK, np.float32)
-        self.t = np.empty(BLOCK, np.float32)
-        self.flags = np.empty(BLOCK, np.bool_)
+    def __init__(self, n: int = BLOCK) -> None:
+        self.n = min(n, BLOCK)  # a small array's call allocates no ~0.6 MB it does not use
+        self.p = np.empty(self.n, np.float32)
+        self.t = np.empty(self.n, np.float32)
+        self.flags = np.empty(self.n, np.bool_)
         self._wide: tuple[np.ndarray, np.ndarray] | None = None
 
     def wide(self) -> tuple[np.ndarray, np.ndarray]:
         if self._wide is None:
-            self._wide = (np.empty(BLOCK, np.float64), np.empty(BLOCK, np.float64))
+            self._wide = (np.empty(self.n, np.float64), np.empty(self.n, np.float64))
         return self._wide
 
 
@@ -191,6 +192,8 @@ def _run(n_blocks: int, work: Callable[[range], tuple[float, float]]) -> tuple[f
 
 def _extremes(los: Any, his: Any) -> tuple[float, float]:
     """The smallest of ``los`` and the largest of ``his``; NaN when any is (as numpy's min/max)."""
+    if len(los) == 1:  # one block (every small array): no array of the extremes to build
+        return float(los[0]), float(his[0])
     if not len(los):
         return np.inf, -np.inf
     return float(np.min(los)), float(np.max(his))
@@ -311,7 +314,7 @@ def _blocks(
     in_range = checked and dtype.itemsize < 4  # i8/i16 values that fit are below 2**22
 
     def work(share: range) -> tuple[float, float]:
-        s = _Scratch()
+        s = _Scratch(flat_x.size)
         los, his = [], []
         with np.errstate(all="ignore"):  # thread-local; NaN/inf/overflow only where the check fails
             for i in share:
@@ -335,6 +338,8 @@ def min_max(x: np.ndarray) -> tuple[float, float]:
     flat = x.reshape(-1)
     n = flat.size
     compiled = x.dtype == np.dtype("=f4") and kernels.use(x.nbytes)
+    if 0 < n <= BLOCK and not compiled:  # one block: on this thread, as _run would
+        return float(flat.min()), float(flat.max())
     block = _COMPILED_BLOCK if compiled else BLOCK
     starts = range(0, n, block)
 
@@ -489,7 +494,7 @@ def _into(x: np.ndarray, out: np.ndarray, scale: int, round_: bool, compiled: bo
     if compiled:
         kernels.quantise(x, out, scale, round_)
         return
-    s = _Scratch()
+    s = _Scratch(x.size)
     in_range = out.dtype.itemsize < 4  # i8/i16 values that fit are below 2**22
     with np.errstate(all="ignore"):
         for at in range(0, x.size, BLOCK):

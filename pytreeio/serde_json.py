@@ -86,11 +86,19 @@ def format_float(x: float) -> str:
 
 
 def _string(s: str) -> str:
+    # printable text holds no control character: only '"' and '\\' could need escaping
+    if s.isprintable() and '"' not in s and "\\" not in s:
+        return '"' + s + '"'
     return '"' + s.translate(_ESCAPES) + '"'
 
 
 def _scalar(value: Any, where: str) -> str | None:
     """The JSON text of a scalar, or None when ``value`` is a container."""
+    kind = type(value)
+    if kind is str:  # the common kinds first, by exact type
+        return _string(value)
+    if kind is int and _I64_MIN <= value <= _U64_MAX:
+        return str(value)
     if value is None:
         return "null"
     if value is True or value is False or isinstance(value, np.bool_):
@@ -127,7 +135,7 @@ def _write(value: Any, out: list[str], where: str, depth: int) -> None:
                 out.append(",")
             out.append(_string(key))
             out.append(":")
-            _write(value[key], out, f"{where}.{key}" if where else key, depth + 1)
+            _item(value[key], out, where, key, depth + 1)
         out.append("}")
         return
     if isinstance(value, list | tuple):
@@ -135,13 +143,32 @@ def _write(value: Any, out: list[str], where: str, depth: int) -> None:
         for i, item in enumerate(value):
             if i:
                 out.append(",")
-            _write(item, out, f"{where}[{i}]", depth + 1)
+            _item(item, out, where, i, depth + 1)
         out.append("]")
         return
     if isinstance(value, np.ndarray) and value.ndim == 0:
         _write(value.item(), out, where, depth)
         return
     raise EncodeError(f"{type(value).__name__} has no JSON form", key_path=where)
+
+
+def _item(value: Any, out: list[str], parent: str, key: str | int, depth: int) -> None:
+    """``value``, member ``key`` of the container at ``parent``: its key path is built only
+    for a container or an error (most members are scalars)."""
+    try:
+        text = _scalar(value, "")
+    except EncodeError:
+        text = _scalar(value, _path(parent, key))  # raises again, naming the member
+    if text is not None:
+        out.append(text)
+    else:
+        _write(value, out, _path(parent, key), depth)
+
+
+def _path(parent: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}.{key}" if parent else key
 
 
 def dumps(value: Any) -> str:

@@ -9,14 +9,20 @@ compared bit for bit with numpy's own transpose or with ``quant.quantise``.
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import given
 
 import pytreeio as ptio
 from pytreeio import quant
-from pytreeio.errors import QuantisationError
+from pytreeio.binary import BufferSource, ByteSource
+from pytreeio.errors import PytreeioError, QuantisationError
 from pytreeio.fmt import waffe2
 
 
@@ -153,3 +159,271 @@ def test_bullet_quantised_file_is_quantise(tmp_path: Path) -> None:
     assert encoded.files is not None
     q = encoded.files["quantised.bin"]
     assert q.tobytes() == want and q.tobytes() == want  # produced twice: the same bytes
+
+
+# --------------------------------------------------------------------------
+# bullet: small integer entries quantised in runs
+# --------------------------------------------------------------------------
+
+
+def _many_small_entries() -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+    """Small tensors of every kind in runs and alone, f32 and large entries between them,
+    with ties, integral products and the type's edges among the values."""
+    rng = np.random.default_rng(5)
+    weights: dict[str, np.ndarray] = {}
+    layout: list[dict[str, Any]] = []
+    kinds = [("i16", 255, True)] * 5 + [("i8", 64, False)] * 3 + [("i32", 255 * 64, True)] * 4
+    kinds += [("f32", None, False), ("i16", 255, True), ("i16", 255, False), ("i16", 255, True)]
+    for k, (ttype, scale, rnd) in enumerate(kinds * 3):
+        shape = [(3, 5), (7,), (0,), (4, 2), (6, 6)][k % 5]
+        x = rng.uniform(-0.45, 0.45, shape).astype(np.float32)
+        if x.size:
+            x.reshape(-1)[0] = 0.5 / 255  # a tie at scale 255
+            x.reshape(-1)[-1] = 1 / 64  # an integral product at scale 64
+        weights[f"t{k}"] = x
+        entry: dict[str, Any] = {"id": f"t{k}", "type": ttype, "round": rnd}
+        if scale is not None:
+            entry["scale"] = scale
+        entry["transforms"] = ["transpose"] if k % 4 == 1 else []
+        layout.append(entry)
+    weights["big"] = rng.uniform(-0.45, 0.45, (160, 130)).astype(np.float32)  # above the run size
+    layout.insert(7, {"id": "big", "transforms": [], "type": "i16", "scale": 255, "round": True})
+    return weights, layout
+
+
+def _quantised_one_by_one(weights: dict[str, np.ndarray], layout: list[dict[str, Any]]) -> bytes:
+    from pytreeio.fmt import bullet
+
+    want = b""
+    for e in layout:
+        x = weights[str(e["id"])]
+        if e["type"] == "f32":
+            want += np.ascontiguousarray(x.T if e["transforms"] else x, "<f4").tobytes()
+            continue
+        flip = bool(e["transforms"]) and x.ndim == 2
+        want += quant.quantise(
+            x,
+            int(e["scale"]),
+            str(e["type"]),
+            round=bool(e["round"]),
+            transpose=flip,
+        ).tobytes()
+    return want + bullet.padding(len(want))
+
+
+@pytest.mark.usefixtures("kernel_backend")
+@pytest.mark.parametrize(("small", "run"), [(1 << 14, 1 << 18), (30, 50), (1, 1)])
+def test_bullet_runs_of_small_entries_are_quantise(
+    small: int, run: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytreeio.fmt import bullet
+
+    monkeypatch.setattr(bullet, "_SMALL_VALUES", small)
+    monkeypatch.setattr(bullet, "_RUN_VALUES", run)
+    weights, layout = _many_small_entries()
+    encoded = bullet.encode({"weights": weights}, meta={"saved_format": layout})
+    assert not encoded.deferred
+    assert encoded.files["quantised.bin"].tobytes() == _quantised_one_by_one(weights, layout)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 200.0, -200.0])
+@pytest.mark.parametrize("where", [0, 2, 3])
+def test_bullet_run_errors_name_the_entry(bad: float, where: int) -> None:
+    """A value that does not fit fails its run; the error is the entry's own check's."""
+    from pytreeio.fmt import bullet
+
+    weights = {f"t{k}": np.full((2, 3), 0.25, np.float32) for k in range(5)}
+    weights[f"t{where}"][1, 2] = bad
+    weights["t4"][0, 1] = 300.0  # a later entry fails too: the first one is reported
+    layout = [
+        {"id": f"t{k}", "transforms": ["transpose"] if k == 2 else [], "type": "i8", "scale": 64}
+        for k in range(5)
+    ]
+    (got,) = bullet.encode({"weights": weights}, meta={"saved_format": layout}).deferred
+    with pytest.raises(QuantisationError) as want:
+        quant.check_quantisable(weights[f"t{where}"], 64, "i8", name=f"t{where}")
+    assert str(got).startswith(str(want.value))
+    assert (got.tensor, got.index, got.position) == (f"t{where}", 5, (1, 2))
+
+
+def test_bullet_run_error_comes_before_a_later_transform_error() -> None:
+    from pytreeio.errors import EncodeError
+    from pytreeio.fmt import bullet
+
+    bullet.register_transform("_test_wrong_size", lambda a, _: a.reshape(-1)[:1], replace=True)
+    weights = {"a": np.float32([0.1, 9.0]), "b": np.float32([0.1]), "c": np.float32([0.1, 0.2])}
+    layout = [
+        {"id": "a", "type": "i8", "scale": 64},
+        {"id": "b", "type": "i8", "scale": 64},
+        {"id": "c", "type": "i8", "scale": 64, "transforms": ["_test_wrong_size"]},
+    ]
+    (got,) = bullet.encode({"weights": weights}, meta={"saved_format": layout}).deferred
+    assert got.tensor == "a"
+    weights["a"][1] = 0.5
+    with pytest.raises(EncodeError, match="changed the number of elements"):
+        bullet.encode({"weights": weights}, meta={"saved_format": layout})
+
+
+# --------------------------------------------------------------------------
+# Writer.extend: the bytes of raw()/array() one by one
+# --------------------------------------------------------------------------
+
+
+def test_writer_extend_is_raw_and_array() -> None:
+    from pytreeio.binary import Writer
+
+    rng = np.random.default_rng(6)
+    small = rng.standard_normal((3, 4), dtype=np.float32)
+    parts = [
+        b"head",
+        small,
+        rng.standard_normal(2000, dtype=np.float32),  # referenced, not joined
+        b"x" * 5000,
+        np.asfortranarray(rng.standard_normal((5, 3), dtype=np.float32)),
+        small.astype(">f4"),
+        rng.standard_normal(6),  # float64: cast
+        np.zeros(0, np.float32),
+        small[:, ::2],
+        b"",
+        small,
+    ]
+    one_by_one = Writer()
+    for p in parts:
+        one_by_one.raw(p) if type(p) is bytes else one_by_one.array(p, "<f4")
+    joined = Writer()
+    joined.extend(parts, "<f4")
+    want = b"".join(bytes(c) for c in one_by_one.finish())
+    assert joined.nbytes == len(want)
+    assert b"".join(bytes(c) for c in joined.finish()) == want
+
+
+# --------------------------------------------------------------------------
+# record walks: in memory (one unpack per record) or field by field, the same
+# --------------------------------------------------------------------------
+
+
+class _FieldByField(ByteSource):
+    """A source that is not a BufferSource: formats read it field by field."""
+
+    def __init__(self, data: bytes, name: str | None = None) -> None:
+        self._data, self.name, self.size, self.bytes_read = data, name, len(data), 0
+
+    def _read(self, offset: int, n: int) -> memoryview:
+        return memoryview(self._data)[offset : offset + n]
+
+
+def _outcome(read: Callable[[], object]) -> object:
+    try:
+        return read()
+    except PytreeioError as exc:
+        return (type(exc), str(exc), exc.__dict__)
+
+
+def _same_either_way(read: Callable[[ByteSource], object], data: bytes, name: str) -> None:
+    assert _outcome(lambda: read(BufferSource(data, name))) == _outcome(
+        lambda: read(_FieldByField(data, name))
+    )
+
+
+def _mutated(data: bytes, draw: st.DataObject) -> bytes:
+    buf = bytearray(data)
+    for _ in range(draw.draw(st.integers(1, 4))):
+        pos = draw.draw(st.integers(0, len(buf) - 1))
+        buf[pos] = draw.draw(st.sampled_from([0, 1, 10, 0x20, 0x7F, 0x80, 0xFF, buf[pos] ^ 1]))
+    return bytes(buf[: draw.draw(st.integers(0, len(buf)))])
+
+
+def _bullet_inspect(src: ByteSource) -> object:
+    from pytreeio.fmt import bullet
+
+    return bullet.inspect({_WEIGHTS: src}).entries
+
+
+def _datacode_inspect(src: ByteSource) -> object:
+    from pytreeio.fmt import datacode
+
+    return datacode.inspect(src)
+
+
+_WEIGHTS = "optimiser_state/weights.bin"
+
+
+def _bullet_file() -> bytes:
+    from pytreeio.fmt import bullet
+
+    weights = {"l0w": np.ones((3, 2), np.float32), "l0b": np.ones(2, np.float32)}
+    weights["a_long_id_" + "x" * 40] = np.arange(3, dtype=np.float32)  # beyond the first probe
+    return bullet.encode({"weights": weights}).files[_WEIGHTS].tobytes()
+
+
+def _datacode_file() -> bytes:
+    from pytreeio.fmt import datacode
+
+    tree = {
+        "layer0": {"weight": np.ones((3, 4), np.float32), "bias": np.ones(4, np.float32)},
+        "layer2": {"weight": np.ones((4, 2), np.float32), "bias": np.ones((1, 2), np.float32)},
+    }
+    return datacode.encode(tree, meta={"layers": ["Linear", "ReLU", "Linear"]}).tobytes()
+
+
+_READS = [(_bullet_inspect, _bullet_file, _WEIGHTS), (_datacode_inspect, _datacode_file, "m.nn")]
+
+
+@pytest.mark.parametrize(("read", "make", "name"), _READS)
+def test_truncated_headers_read_either_way(
+    read: Callable[[ByteSource], object], make: Callable[[], bytes], name: str
+) -> None:
+    data = make()
+    for n in range(len(data) + 1):
+        _same_either_way(read, data[:n], name)
+
+
+@pytest.mark.parametrize(("read", "make", "name"), _READS)
+@given(data=st.data())
+def test_mutated_headers_read_either_way(
+    read: Callable[[ByteSource], object], make: Callable[[], bytes], name: str, data: st.DataObject
+) -> None:
+    _same_either_way(read, _mutated(make(), data), name)
+
+
+# --------------------------------------------------------------------------
+# DataCode's JSON: what serde_json cannot hold is still found
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (b'"\\ud800"', "lone surrogate"),
+        (b"-9223372036854775809", "i64/u64"),  # 19 digits
+        (b"18446744073709551616", "i64/u64"),
+        (b'"a\\\\u"', None),  # an escaped backslash before a u: fine
+        (b"1234567890123456789.5", None),  # a float of 19 digits: fine
+    ],
+)
+def test_datacode_json_problems_are_found(value: bytes, problem: str | None) -> None:
+    from pytreeio.errors import FormatError
+    from pytreeio.fmt import datacode
+    from pytreeio.serde_json import dump_bytes
+
+    doc = dump_bytes({"device": "cpu", "layers": [], "training": None}).replace(
+        b'"training":null', b'"training":null,"x":' + value
+    )
+    data = b"DATACODE" + struct.pack("<II", 1, len(doc)) + doc + struct.pack("<I", 0)
+    if problem is None:
+        datacode.decode(data)
+    else:
+        with pytest.raises(FormatError, match=problem):
+            datacode.decode(data)
+
+
+def test_serde_json_errors_name_the_member() -> None:
+    from pytreeio.errors import EncodeError
+    from pytreeio.serde_json import dumps
+
+    with pytest.raises(EncodeError) as info:
+        dumps({"a": [1, {"b": 2**64}]})
+    assert info.value.key_path == "a[1].b"
+    with pytest.raises(EncodeError) as info:
+        dumps([0, -(2**63) - 1])
+    assert info.value.key_path == "[1]"

@@ -88,6 +88,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import struct
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -178,6 +179,7 @@ _SCALE_MAX = {"i8": 2**15 - 1, "i16": 2**15 - 1, "i32": 2**31 - 1}
 _ENTRY_KEYS = frozenset({"id", "transforms", "type", "scale", "round"})
 _LAYER_ID = re.compile(r"\Al(0|[1-9][0-9]{0,5})([wb])\Z")
 _F32 = np.dtype("<f4")
+_U64 = struct.Struct("<Q")
 
 
 # --------------------------------------------------------------------------
@@ -257,15 +259,17 @@ def _entry_error(i: int, entry_id: Any, field: str | None, reason: str, **kw: An
 
 
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
+    return type(v) is int or (
+        isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
+    )
 
 
 def _spec_of(i: int, entry: Any) -> _Spec:
-    if not isinstance(entry, Mapping):
+    if type(entry) is not dict and not isinstance(entry, Mapping):
         raise _entry_error(i, None, None, "an entry must be a dict", found=type(entry).__name__)
     eid = entry.get("id")
-    unknown = sorted(str(k) for k in entry if k not in _ENTRY_KEYS)
-    if unknown:
+    if not entry.keys() <= _ENTRY_KEYS:
+        unknown = sorted(str(k) for k in entry if k not in _ENTRY_KEYS)
         raise _entry_error(i, eid, None, f"unknown keys {unknown}", expected=sorted(_ENTRY_KEYS))
     if not isinstance(eid, str) or not _valid_id(eid):
         raise _entry_error(
@@ -277,7 +281,9 @@ def _spec_of(i: int, entry: Any) -> _Spec:
             i, eid, "type", f"unknown type {ttype!r}", expected=sorted(TYPES), found=ttype
         )
     transforms = entry.get("transforms", [])
-    if isinstance(transforms, str) or not isinstance(transforms, Sequence):
+    if type(transforms) is not list and (
+        isinstance(transforms, str) or not isinstance(transforms, Sequence)
+    ):
         raise _entry_error(
             i, eid, "transforms", "transforms must be a list of names", found=transforms
         )
@@ -329,7 +335,7 @@ def _specs(saved_format: Any, ids: Iterable[str] | None = None) -> list[_Spec]:
             raise _entry_error(i, s.id, "id", f"id listed twice (also saved_format[{seen[s.id]}])")
         seen[s.id] = i
     if ids is not None:
-        known = set(ids)
+        known = ids if isinstance(ids, Mapping | set | frozenset) else set(ids)
         for i, s in enumerate(specs):
             if s.id not in known:
                 raise _entry_error(
@@ -485,6 +491,11 @@ def float_layout(ids: Iterable[str]) -> list[dict[str, Any]]:
     return [{"id": i, "transforms": [], "type": "f32", "round": False} for i in model_order(ids)]
 
 
+def _float_specs(ids: Iterable[str]) -> list[_Spec]:
+    """:func:`float_layout` as validated entries (``ids`` already checked)."""
+    return [_Spec(i, (), "f32", None, False) for i in model_order(ids)]
+
+
 def padding(n: int) -> bytes:
     """The bytes bullet appends to ``n`` bytes of quantised data: up to a multiple of 64, ``b"bullet"`` repeated."""
     k = -n % ALIGN
@@ -497,10 +508,11 @@ def padding(n: int) -> bytes:
 
 
 def _valid_id(s: str) -> bool:
-    return 0 < len(s) <= MAX_ID_BYTES and all(" " <= c <= "~" for c in s)
+    # str.isprintable() of ASCII text is exactly " " to "~"
+    return 0 < len(s) <= MAX_ID_BYTES and s.isascii() and s.isprintable()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 3x
 class _Record:
     id: str
     count: int
@@ -541,34 +553,70 @@ def _read_id(src: ByteSource, pos: int, file: str) -> tuple[str, int]:
     return rid, pos + end + 1
 
 
+def _rest_of_record(src: ByteSource, rid: str, pos: int, file: str, old: bool) -> _Record:
+    """Record ``rid`` from its count (at ``pos``, after the id), every field checked."""
+    if old:
+        r = src.reader(pos, 16, f"{rid} rows, cols")
+        rows, cols = r.u64(f"{rid} rows"), r.u64(f"{rid} cols")
+        # a zero dimension leaves the other unchecked by the size test below
+        check_shape((cols, rows), 4, path=file, field=f"{rid} rows, cols", offset=pos)
+        count, dims, pos = rows * cols, (rows, cols), pos + 16
+    else:
+        count, dims = src.reader(pos, 8, f"{rid} count").u64(f"{rid} count"), None
+        pos += 8
+    nbytes = count * 4
+    if nbytes > src.size - pos:  # checked before anything is read or allocated
+        raise FormatError(
+            f"record {rid!r} declares {count} values ({nbytes} bytes); only {src.size - pos} remain",
+            path=file,
+            field=rid,
+            offset=pos,
+        )
+    return _Record(rid, count, dims, pos)
+
+
+def _record_in(view: memoryview, pos: int) -> _Record | None:
+    """The current-variant record at ``pos`` of an in-memory file when nothing about it is
+    unusual (a short valid id, its data present); else None, and the caller reads it field
+    by field, which raises naming the field.
+
+    One slice and one unpack per record: what keeps thousands of small tensors cheap.
+    """
+    head = view[pos : pos + _ID_PROBE].tobytes()
+    end = head.find(b"\n")
+    raw = head[:end]
+    if end <= 0 or not raw.isascii():
+        return None
+    rid = raw.decode("ascii")
+    start = pos + end + 1
+    if not rid.isprintable() or start + 8 > len(view):
+        return None
+    (count,) = _U64.unpack_from(view, start)
+    if count * 4 > len(view) - start - 8:
+        return None
+    return _Record(rid, count, None, start + 8)
+
+
 def _walk_variant(src: ByteSource, file: str, old: bool) -> list[_Record]:
     records: list[_Record] = []
     seen: set[str] = set()
+    view = src.view() if isinstance(src, BufferSource) and not old else None
     pos = 0
     while pos < src.size:
-        rid, pos = _read_id(src, pos, file)
-        if rid in seen:
-            raise FormatError(f"record {rid!r} appears twice", path=file, field=rid, offset=pos)
-        seen.add(rid)
-        if old:
-            r = src.reader(pos, 16, f"{rid} rows, cols")
-            rows, cols = r.u64(f"{rid} rows"), r.u64(f"{rid} cols")
-            # a zero dimension leaves the other unchecked by the size test below
-            check_shape((cols, rows), 4, path=file, field=f"{rid} rows, cols", offset=pos)
-            count, dims, pos = rows * cols, (rows, cols), pos + 16
+        rec = _record_in(view, pos) if view is not None else None
+        if rec is not None:
+            rid, after_id = rec.id, rec.offset - 8
         else:
-            count, dims = src.reader(pos, 8, f"{rid} count").u64(f"{rid} count"), None
-            pos += 8
-        nbytes = count * 4
-        if nbytes > src.size - pos:  # checked before anything is read or allocated
+            rid, after_id = _read_id(src, pos, file)
+        if rid in seen:
             raise FormatError(
-                f"record {rid!r} declares {count} values ({nbytes} bytes); only {src.size - pos} remain",
-                path=file,
-                field=rid,
-                offset=pos,
+                f"record {rid!r} appears twice", path=file, field=rid, offset=after_id
             )
-        records.append(_Record(rid, count, dims, pos))
-        pos += nbytes
+        seen.add(rid)
+        if rec is None:
+            rec = _rest_of_record(src, rid, after_id, file, old)
+        records.append(rec)
+        pos = rec.offset + rec.count * 4
     return records
 
 
@@ -586,12 +634,12 @@ def _walk_records(src: ByteSource, file: str) -> list[_Record]:
 
 
 def _encode_records(tensors: Mapping[str, np.ndarray]) -> list[Any]:
-    w = Writer()
+    parts: list[Any] = []
     for rid in sorted(tensors):
         arr = tensors[rid]
-        w.raw(rid.encode("ascii") + b"\n")
-        w.u64(int(arr.size))
-        w.array(arr, _F32)
+        parts += (b"%b\n%b" % (rid.encode("ascii"), _U64.pack(int(arr.size))), arr)
+    w = Writer()
+    w.extend(parts, _F32)
     return w.finish()
 
 
@@ -745,6 +793,8 @@ def _f32(value: Any, key: str) -> Any:
     A :class:`~pytreeio.registry.Streamed` leaf (a conversion's) stays one,
     read and widened when it is written.
     """
+    if type(value) is np.ndarray and value.dtype == _F32 and value.flags.c_contiguous:
+        return value  # the common case, as np.ascontiguousarray below returns it
     if not (hasattr(value, "shape") and hasattr(value, "dtype")):
         raise EncodeError(f"expected a float32 array, found {type(value).__name__}", key_path=key)
     arr: Any = value
@@ -818,7 +868,7 @@ def _check_native(tree: Any) -> dict[str, dict[str, np.ndarray]]:
 
 
 def _check_meta(
-    meta: Any, ids: Iterable[str]
+    meta: Any, ids: Mapping[str, Any]
 ) -> tuple[list[_Spec] | None, dict[str, int], str | None]:
     if meta is None:
         return None, {}, None
@@ -832,7 +882,6 @@ def _check_meta(
     )
     if extra:
         raise EncodeError(f"bullet has no place for meta {extra}", key_path=f"meta.{extra[0]}")
-    ids = list(ids)
     specs = _specs(meta["saved_format"], ids) if meta.get("saved_format") is not None else None
     steps = meta.get("steps") or {}
     if not isinstance(steps, Mapping):
@@ -861,6 +910,8 @@ def _transformed(
     spec: _Spec, array: np.ndarray, tensors: Mapping[str, np.ndarray], fuse_last: bool
 ) -> tuple[np.ndarray, bool]:
     """``array`` after the entry's transforms; with ``fuse_last`` a trailing 2-D transpose is left to the caller."""
+    if not spec.transforms:
+        return array, False
     steps = list(spec.transforms)
     fused = fuse_last and bool(steps) and steps[-1] == "transpose" and array.ndim == 2
     if fused:
@@ -924,42 +975,119 @@ class _Quantising:
         return pending.result().reshape(-1).view(np.uint8)
 
 
+#: Integer entries of at most this many values are quantised together with their
+#: neighbours of the same type, scale and rounding (:class:`_Run`).
+_SMALL_VALUES = 1 << 14
+#: The most values in one such run (its float32 copy stays in the caches).
+_RUN_VALUES = 1 << 18
+
+
+def _checked(arr: Any, spec: _Spec) -> Any:
+    """``arr`` as float32 once every value fits the entry's type (else its QuantisationError)."""
+    assert spec.scale is not None
+    return quant.check_quantisable(arr, spec.scale, spec.type, round=spec.round, name=spec.id)
+
+
+def _small(arr: Any) -> bool:
+    return type(arr) is np.ndarray and arr.dtype == np.float32 and arr.size <= _SMALL_VALUES
+
+
+class _Run:
+    """Consecutive integer entries quantised as one array: small float32 ones of one type,
+    scale and rounding together, any other alone.
+
+    Quantisation is elementwise, so the quantised concatenation is each entry's
+    values in file order, bit for bit: one range check and one job instead of
+    a check and a dispatch per tensor, which cost ~100 times a tiny tensor's
+    arithmetic.
+    """
+
+    __slots__ = ("entries", "size")
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[Any, _Spec, bool]] = []  # (values, spec, fused transpose)
+        self.size = 0
+
+    def joins(self, arr: Any, spec: _Spec) -> bool:
+        if not self.entries:
+            return True
+        first, last = self.entries[0], self.entries[-1][1]
+        return (
+            _small(arr)
+            and _small(first[0])
+            and self.size + arr.size <= _RUN_VALUES
+            and (last.type, last.scale, last.round) == (spec.type, spec.scale, spec.round)
+        )
+
+    def add(self, arr: Any, spec: _Spec, fused: bool) -> None:
+        self.entries.append((arr, spec, fused))
+        self.size += arr.size
+
+    def job(self) -> tuple[Any, _Spec, bool]:
+        """The run as one range-checked job ``(x32, spec, fused)``; the run is emptied.
+
+        When a value does not fit, the entries are checked one by one so that
+        the error names the entry and element, as a check per entry would.
+        """
+        entries, self.entries, self.size = self.entries, [], 0
+        if len(entries) == 1:
+            arr, spec, fused = entries[0]
+            return _checked(arr, spec), spec, fused
+        # a fused transpose is applied to the float32 values (exact) before joining
+        flat = np.concatenate([a.T if fused else a for a, _, fused in entries], axis=None)
+        try:
+            return _checked(flat, entries[0][1]), entries[0][1], False
+        except QuantisationError:
+            for arr, spec, _ in entries:
+                _checked(arr, spec)
+            raise
+
+
 def _encode_quantised(specs: Sequence[_Spec], weights: Mapping[str, np.ndarray]) -> list[Any]:
     w = Writer()
     jobs: list[tuple[Any, _Spec, bool]] = []
-    slots: list[Any] = []  # per entry: an f32 array, or the index of its quantisation job
-    requests: list[tuple[Any, int, str, bool, bool]] = []
+    slots: list[Any] = []  # per entry or run: an f32 array, or the index of its quantisation job
+    run = _Run()
+
+    def end_run() -> None:
+        if run.entries:
+            slots.append(len(jobs))
+            jobs.append(run.job())
+
     for spec in specs:
-        arr, fused = _transformed(spec, weights[spec.id], weights, fuse_last=spec.type != "f32")
+        try:
+            arr, fused = _transformed(spec, weights[spec.id], weights, fuse_last=spec.type != "f32")
+        except EncodeError:
+            end_run()  # an earlier entry's quantisation error comes first, as entry by entry
+            raise
         if spec.type == "f32":
+            end_run()
             slots.append(arr)
             continue
-        assert spec.scale is not None
         if isinstance(arr, Streamed):
             # checked before anything is written, then quantised ahead of the writer: held
             arr = arr.read()
-        x32 = quant.check_quantisable(arr, spec.scale, spec.type, round=spec.round, name=spec.id)
-        slots.append(len(jobs))
-        jobs.append((x32, spec, fused))
+        if not run.joins(arr, spec):
+            end_run()
+        run.add(arr, spec, fused)
+    end_run()
+    requests = []
+    for x32, spec, fused in jobs:
+        assert spec.scale is not None
         requests.append((x32, spec.scale, spec.type, spec.round, fused))
     bands = quant.quantise_bands(requests)
     if bands is not None:
         return _encode_bands(w, slots, bands)
     work = _Quantising(jobs)
 
-    def entry(k: int) -> Callable[[], Any]:
-        return lambda: work.take(k)
+    def entry(k: int) -> Iterator[Deferred]:
+        n = work.nbytes(k)
+        if n:
+            yield Deferred(n, lambda: work.take(k))
 
-    for slot in slots:
-        if isinstance(slot, int):
-            n = work.nbytes(slot)
-            if n:
-                w.deferred(Deferred(n, entry(slot)))
-        else:
-            w.array(slot)
-    w.raw(padding(w.nbytes))
+    chunks = _write_entries(w, slots, entry)
     work.start(_AHEAD)
-    return w.finish()
+    return chunks
 
 
 def _encode_bands(w: Writer, slots: Sequence[Any], bands: quant_host.Bands) -> list[Any]:
@@ -970,21 +1098,37 @@ def _encode_bands(w: Writer, slots: Sequence[Any], bands: quant_host.Bands) -> l
     quantised.bin it takes them as they come and computes the next ones
     itself rather than wait (see :class:`pytreeio.quant_host.Bands`).
     """
+
+    def entry(k: int) -> Iterator[Deferred]:
+        for b in bands.of_job[k]:
+            yield Deferred(bands.nbytes(b), functools.partial(bands.take, b))
+
+    chunks = _write_entries(w, slots, entry)
+    bands.start()
+    return chunks
+
+
+def _write_entries(
+    w: Writer, slots: Sequence[Any], deferred: Callable[[int], Iterable[Deferred]]
+) -> list[Any]:
+    """quantised.bin's chunks: each slot's f32 array or its job's deferred chunks, then the padding."""
+    arrays: list[Any] = []
     for slot in slots:
         if isinstance(slot, int):
-            for b in bands.of_job[slot]:
-                w.deferred(Deferred(bands.nbytes(b), functools.partial(bands.take, b)))
+            w.extend(arrays, _F32)
+            arrays = []
+            for chunk in deferred(slot):
+                w.deferred(chunk)
         else:
-            w.array(slot)
+            arrays.append(slot)
+    w.extend(arrays, _F32)
     w.raw(padding(w.nbytes))
-    bands.start()
     return w.finish()
 
 
 def _encode_raw(specs: Sequence[_Spec], weights: Mapping[str, np.ndarray]) -> list[Any]:
     w = Writer()
-    for spec in specs:
-        w.array(weights[spec.id], _F32)
+    w.extend([weights[spec.id] for spec in specs], _F32)
     return w.finish()
 
 
@@ -1082,7 +1226,7 @@ def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, strict: bool = F
     weights = native["weights"]
     specs, steps, log = _check_meta(meta, weights)
     if specs is None:
-        specs = _specs(float_layout(weights))
+        specs = _float_specs(weights)
     files: dict[str, Encoded] = {RAW: Encoded(chunks=tuple(_encode_raw(specs, weights)))}
     deferred: tuple[Exception, ...] = ()
     try:
@@ -1110,11 +1254,9 @@ def _records_of(source: Mapping[str, Any], file: str) -> tuple[memoryview, list[
 def _arrays(
     view: memoryview, records: Sequence[_Record], shapes: Mapping[str, tuple[int, ...]]
 ) -> dict[str, np.ndarray]:
-    out = {}
-    for rec in records:
-        arr = np.frombuffer(view, dtype=_F32, count=rec.count, offset=rec.offset)
-        out[rec.id] = arr.reshape(shapes[rec.id])
-    return out
+    # one ndarray straight on the buffer (frombuffer + reshape makes two); the walk
+    # checked that every record's data lies within it
+    return {r.id: np.ndarray(shapes[r.id], _F32, buffer=view, offset=r.offset) for r in records}
 
 
 def _same_ids(file: str, records: Sequence[_Record], counts: Mapping[str, int]) -> None:

@@ -59,7 +59,9 @@ bytes that remain before anything is read or allocated.
 
 from __future__ import annotations
 
+import math
 import re
+import struct
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -118,7 +120,12 @@ _MAX_NAME = 64
 _MAX_DIM = (1 << 32) - 1
 _TENSOR_NAME = re.compile(r"^layer(0|[1-9][0-9]{0,9})\.(weight|bias)$")
 _F32 = np.dtype("<f4")
+_U32 = struct.Struct("<I")
+#: A tensor's dims by their count.
+_DIMS = {1: struct.Struct("<I"), 2: struct.Struct("<2I")}
 _JSON_DEPTH = serde_json.MAX_DEPTH
+#: Every digit as ``0``: a run of 19 digits is then one substring search.
+_ZERO_DIGITS = bytes.maketrans(b"123456789", b"0" * 9)
 
 Fail = Callable[[str, str], Exception]
 
@@ -148,17 +155,30 @@ def _serde_problem(value: Any) -> str | None:
     return None
 
 
+def _serde_suspect(raw: memoryview) -> bool:
+    """Whether the (valid UTF-8) text may hold what :func:`_serde_problem` finds.
+
+    A lone surrogate needs a ``\\u`` escape (UTF-8 cannot encode one), an
+    integer beyond i64/u64 19 digits: two scans at C speed, where the walk
+    costs microseconds per layer.
+    """
+    text = bytes(raw).translate(_ZERO_DIGITS)
+    return b"\\u" in text or b"0" * 19 in text
+
+
 def _parse_json(raw: memoryview, *, path: str | None, field: str, offset: int) -> Any:
     """The JSON document in ``raw`` (file offset ``offset``): :func:`pytreeio.jsonsafe.loads`
     (UTF-8, syntax, no duplicate keys or NaN, nesting at most 128) plus serde_json's limits."""
     value = jsonsafe.loads(raw, path=path, field=field, offset=offset, max_depth=_JSON_DEPTH)
+    if not _serde_suspect(raw):
+        return value  # no walk of the document
     problem = _serde_problem(value)
     if problem is not None:
         raise FormatError(f"invalid JSON: {problem}", path=path, field=field, offset=offset)
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 3x
 class _LayerSpec:
     """One entry of ``layers``: its type, and for Linear its feature counts."""
 
@@ -173,27 +193,28 @@ def _is_count(v: Any) -> bool:
 
 
 def _check_layer(entry: Any, i: int, fail: Fail) -> _LayerSpec:
-    where = f"layers[{i}]"
     if not isinstance(entry, dict):
-        raise fail(f"a layer entry must be an object, found {type(entry).__name__}", where)
+        raise fail(f"a layer entry must be an object, found {type(entry).__name__}", f"layers[{i}]")
     ltype = entry.get("type")
     if not isinstance(ltype, str) or ltype not in TYPES:
         raise fail(
-            f"unknown layer type {str(ltype)[:80]!r}; DataCode knows {list(TYPES)}", f"{where}.type"
+            f"unknown layer type {str(ltype)[:80]!r}; DataCode knows {list(TYPES)}",
+            f"layers[{i}].type",
         )
     if "name" in entry and not isinstance(entry["name"], str):
-        raise fail("name must be a string", f"{where}.name")
+        raise fail("name must be a string", f"layers[{i}].name")
     if ltype != "Linear":
         return _LayerSpec(ltype)
-    for key in ("in_features", "out_features"):
-        if not _is_count(entry.get(key)):
+    in_f, out_f = entry.get("in_features"), entry.get("out_features")
+    for key, value in (("in_features", in_f), ("out_features", out_f)):
+        if not _is_count(value):
             raise fail(
-                f"{key} must be an integer in [1, 2**32), found {str(entry.get(key))[:40]}",
-                f"{where}.{key}",
+                f"{key} must be an integer in [1, 2**32), found {str(value)[:40]}",
+                f"layers[{i}].{key}",
             )
     trainable = entry.get("trainable", True)
     if type(trainable) is not bool:
-        raise fail("trainable must be true or false", f"{where}.trainable")
+        raise fail("trainable must be true or false", f"layers[{i}].trainable")
     return _LayerSpec("Linear", entry["in_features"], entry["out_features"], trainable)
 
 
@@ -296,7 +317,7 @@ def _check_variant(variant: Any, where: str) -> str | None:
 # --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 3x
 class _Tensor:
     """A tensor record's header: where it starts, its name, dims and where its data lies."""
 
@@ -309,10 +330,7 @@ class _Tensor:
 
     @property
     def nbytes(self) -> int:
-        n = 4
-        for d in self.dims:
-            n *= d
-        return n
+        return 4 * math.prod(self.dims)
 
 
 @dataclass(frozen=True)
@@ -375,11 +393,41 @@ def _read_tensor(src: ByteSource, pos: int, i: int) -> _Tensor:
     return tensor
 
 
+def _tensor_in(view: memoryview, pos: int) -> _Tensor | None:
+    """The tensor record at ``pos`` of an in-memory file when nothing about it is unusual
+    (an ASCII DataCode name, 1 or 2 dims, its data present); else None, and the caller
+    reads it field by field with :func:`_read_tensor`, which raises naming the field.
+
+    A few unpacks per record: what keeps thousands of small tensors cheap.
+    """
+    size = len(view)
+    if pos + 4 > size:
+        return None
+    (name_len,) = _U32.unpack_from(view, pos)
+    at = pos + 4 + name_len
+    if name_len > _MAX_NAME or at + 4 > size:
+        return None
+    raw = view[pos + 4 : at].tobytes()
+    m = _TENSOR_NAME.match(raw.decode("ascii")) if raw.isascii() else None
+    (ndim,) = _U32.unpack_from(view, at)
+    data_offset = at + 4 + 4 * ndim
+    if m is None or ndim not in (1, 2) or data_offset > size:
+        return None
+    dims = _DIMS[ndim].unpack_from(view, at + 4)
+    if data_offset + 4 * math.prod(dims) > size:
+        return None
+    index, part = m.groups()
+    return _Tensor(m.string, int(index), part, dims, pos, data_offset)
+
+
 def _read_tensors(src: ByteSource, pos: int, count: int) -> list[_Tensor]:
     tensors: list[_Tensor] = []
     seen: set[str] = set()
+    view = src.view() if isinstance(src, BufferSource) else None
     for i in range(count):
-        tensor = _read_tensor(src, pos, i)
+        tensor = _tensor_in(view, pos) if view is not None else None
+        if tensor is None:
+            tensor = _read_tensor(src, pos, i)
         if tensor.name in seen:
             raise FormatError(
                 f"duplicate tensor {tensor.name}",
@@ -418,17 +466,9 @@ def _fit(
             if t.index >= len(positions):
                 return by_position, (f"there are only {len(positions)} Linear layers", t, False)
             pos = positions[t.index]
-        spec = layers[pos]
-        want: list[tuple[int, ...]]
-        if t.part == "weight":
-            want = [(spec.in_features, spec.out_features)]
-            if variant == "later":
-                want = [(spec.out_features, spec.in_features)]
-            label = "[in, out]" if variant == "seed" else "[out, in]"
-        else:
-            want = [(spec.out_features,), (1, spec.out_features)]
-            label = "[out] or [1, out]"
+        want = _shapes_fitting(layers[pos], t.part, variant)
         if t.dims not in want:
+            label = "[out] or [1, out]" if t.part == "bias" else _WEIGHT_LABEL[variant]
             return by_position, (
                 f"{t.name} has shape {list(t.dims)}; layers[{pos}] needs {list(want[0])} {label}",
                 t,
@@ -436,6 +476,18 @@ def _fit(
             )
         by_position.setdefault(pos, {})[t.part] = t
     return by_position, None
+
+
+_WEIGHT_LABEL = {"seed": "[in, out]", "later": "[out, in]"}
+
+
+def _shapes_fitting(spec: _LayerSpec, part: str, variant: str) -> tuple[tuple[int, ...], ...]:
+    """The dims the file may give a Linear layer's ``part`` in ``variant`` (the usual one first)."""
+    if part == "bias":
+        return (spec.out_features,), (1, spec.out_features)
+    if variant == "seed":
+        return ((spec.in_features, spec.out_features),)
+    return ((spec.out_features, spec.in_features),)
 
 
 def _numbering_fits(layers: list[_LayerSpec], tensors: list[_Tensor], variant: str) -> bool:
@@ -451,12 +503,12 @@ def _choose_variant(
     candidates = [variant] if variant is not None else list(VARIANTS)
     fits: dict[str, dict[int, dict[str, _Tensor]]] = {}
     problems: dict[str, tuple[str, _Tensor, bool]] = {}
-    for v in candidates:
+    for v in candidates:  # in VARIANTS order: the first that fits is the one chosen below
         placed, problem = _fit(layers, tensors, v)
         if problem is None:
             fits[v] = placed
-        else:
-            problems[v] = problem
+            break
+        problems[v] = problem
     for v in VARIANTS:  # both fit (square weights, Linear-only numbering): seed
         if v in fits:
             return v, fits[v]
@@ -528,8 +580,10 @@ def decode(source: Any, *, variant: str | None = None) -> Decoded:
     native: dict[str, dict[str, np.ndarray]] = {}
     for pos, parts in sorted(layout.by_position.items()):
         w, b = parts["weight"], parts["bias"]
-        weight = np.frombuffer(view, _F32, w.nbytes // 4, w.data_offset).reshape(w.dims)
-        bias = np.frombuffer(view, _F32, b.nbytes // 4, b.data_offset)
+        # one ndarray straight on the buffer (frombuffer + reshape makes two); the layout
+        # checked that the data lies within it
+        weight = np.ndarray(w.dims, _F32, buffer=view, offset=w.data_offset)
+        bias = np.ndarray((b.nbytes // 4,), _F32, buffer=view, offset=b.data_offset)
         native[f"layer{pos}"] = {
             "weight": weight.T if layout.variant == "later" else weight,
             "bias": bias,
@@ -581,6 +635,8 @@ def sniff(probe: Probe) -> float:
 
 
 def _shape(x: Any) -> tuple[int, ...]:
+    if type(x) is np.ndarray:
+        return x.shape  # already a tuple of ints
     return tuple(int(d) for d in getattr(x, "shape", ()))
 
 
@@ -636,6 +692,8 @@ def _native_layers(tree: Any, layers: list[_LayerSpec]) -> dict[int, dict[str, A
 
 def _host_f32(x: Any, where: str) -> Any:
     """``x`` as a float32 numpy array (float16/bfloat16 widen exactly; anything else is refused)."""
+    if type(x) is np.ndarray and x.dtype == np.float32:
+        return x  # the common case
     if hasattr(x, "shape") and not hasattr(x, "__array__"):
         raise EncodeError("cannot save an abstract array (ShapeDtypeStruct)", key_path=where)
     arr = x if isinstance(x, Streamed) else np.asarray(x)  # a streamed one is read when written
@@ -820,25 +878,26 @@ def encode(
     w.raw(text)
     w.u32(2 * len(arrays))
     types = [spec.type for spec in layers]
+    bias_2d_names = set(bias_2d)
+    parts: list[Any] = []
     for pos, name in tensor_names(types, chosen):
         node = arrays[pos]
         weight = _host_f32(node["weight"], f"layer{pos}/weight")
         bias = _host_f32(node["bias"], f"layer{pos}/bias")
         out = layers[pos].out_features
-        bias_dims = (1, out) if bias.ndim == 2 or f"layer{pos}" in bias_2d else (out,)
-        _tensor(w, f"{name}.weight", weight.T if chosen == "later" else weight)
-        _tensor(w, f"{name}.bias", bias.reshape(bias_dims))
+        bias_dims = (1, out) if bias.ndim == 2 or f"layer{pos}" in bias_2d_names else (out,)
+        parts += _tensor(f"{name}.weight", weight.T if chosen == "later" else weight)
+        parts += _tensor(f"{name}.bias", bias.reshape(bias_dims))
+    w.extend(parts, _F32)
     return Encoded(chunks=tuple(w.finish()))
 
 
-def _tensor(w: Writer, name: str, arr: Any) -> None:
+def _tensor(name: str, arr: Any) -> tuple[bytes, Any]:
+    """A tensor record: its header and its values (1 or 2 dims, checked against the layers)."""
     raw = name.encode("utf-8")
-    w.u32(len(raw))
-    w.raw(raw)
-    w.u32(arr.ndim)
-    for d in arr.shape:
-        w.u32(int(d))
-    w.array(arr, _F32)
+    ndim = arr.ndim
+    dims = _DIMS[ndim].pack(*map(int, arr.shape))
+    return _U32.pack(len(raw)) + raw + _U32.pack(ndim) + dims, arr
 
 
 # --------------------------------------------------------------------------
