@@ -365,6 +365,9 @@ def normalize_layers(
             found=len(entries),
         )
     out = []
+    # A layer's args and checks follow from its type, given args and array shapes alone: layers
+    # alike in all three (the blocks of most models) are worked out once per call.
+    settled: dict[Any, dict[str, Any]] = {}
     for i, arrs in enumerate(arrays):
         if entries is not None:
             ltype, given, trainable = entry_parts(entries[i], i)
@@ -378,18 +381,53 @@ def normalize_layers(
                     key_path=f"layers[{i}]",
                 )
             ltype, given, trainable = guessed, {}, True
-        inferred = _inferred_args(ltype, arrs, given)
-        args: dict[str, Any] = {}
-        for k, default in LAYERS[ltype].args:
-            args[k] = given[k] if k in given else inferred.get(k, default)
-        problems = layer_problems(ltype, args, arrs)
-        if problems:
-            raise MismatchError(
-                f"layer {i} ({ltype}): {'; '.join(problems)}", key_path=f"layers[{i}]"
-            )
+        key = _settled_key(ltype, given, arrs)
+        args = settled.get(key) if key is not None else None
+        if args is None:
+            args = _layer_args(i, ltype, given, arrs)
+            if key is not None:
+                settled[key] = args
         ordered = {k: arrs[k] for k in LAYERS[ltype].arrays if k in arrs}
-        out.append(Layer(ltype, args, ordered, trainable))
+        out.append(Layer(ltype, dict(args), ordered, trainable))
     return out
+
+
+def _settled_key(ltype: str, given: Mapping[str, Any], arrays: Mapping[str, Any]) -> Any:
+    """What :func:`_layer_args` depends on, or None (then the layer is worked out on its own).
+
+    Given values count by type and exact value (``True`` is not ``1``, ``-0.0`` not
+    ``0.0``), and only plain scalars do: equal-but-different values must not share args.
+    """
+    parts = []
+    for k, v in given.items():
+        kind = type(v)
+        if kind is float:
+            v = v.hex()
+        elif kind not in _PLAIN_ARG_TYPES:
+            return None
+        parts.append((k, kind, v))
+    try:
+        shapes = tuple((k, _shape(a)) for k, a in arrays.items())
+    except (AttributeError, TypeError, ValueError):  # not an array: its own checks say so
+        return None
+    return ltype, tuple(parts), shapes
+
+
+_PLAIN_ARG_TYPES = frozenset({int, bool, str, type(None)})
+
+
+def _layer_args(
+    i: int, ltype: str, given: Mapping[str, Any], arrs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Layer ``i``'s full args (given, else inferred from its arrays, else defaults), checked."""
+    inferred = _inferred_args(ltype, arrs, given)
+    args: dict[str, Any] = {}
+    for k, default in LAYERS[ltype].args:
+        args[k] = given[k] if k in given else inferred.get(k, default)
+    problems = layer_problems(ltype, args, arrs)
+    if problems:
+        raise MismatchError(f"layer {i} ({ltype}): {'; '.join(problems)}", key_path=f"layers[{i}]")
+    return args
 
 
 # --------------------------------------------------------------------------

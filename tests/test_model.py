@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -211,3 +213,30 @@ def test_non_model_trees_are_recognised_as_such() -> None:
     assert M.is_model_like({"Dense_0": {"kernel": f32(2, 2)}})
     assert M.is_model_like({"params": {"Dense_0": {"kernel": f32(2, 2)}}, "opt_state": ()})
     assert not M.is_model_like({"params": {"Dense_0": {"kernel": f32(2, 2)}}, "other": 1})
+
+
+def test_alike_layers_are_settled_once_but_equal_looking_args_are_not_shared() -> None:
+    """Layers of one type, args and shapes share their checked args; values that compare equal
+    but differ (True and 1, -0.0 and 0.0) are each checked and kept as given."""
+    k = np.zeros((2, 3), np.float32)
+    b = np.zeros(3, np.float32)
+    layers = M.normalize_layers(
+        [{"type": "Linear"}, {"type": "Linear"}, {"type": "Dropout", "args": {"p": 0.0}},
+         {"type": "Dropout", "args": {"p": -0.0}}],
+        [{"kernel": k, "bias": b}, {"kernel": k, "bias": b}, {}, {}],
+    )  # fmt: skip
+    assert layers[0].args == layers[1].args == {"in_features": 2, "out_features": 3, "bias": True}
+    assert layers[0].args is not layers[1].args  # each layer owns its args
+    assert (
+        math.copysign(1, layers[2].args["p"]) == 1 and math.copysign(1, layers[3].args["p"]) == -1
+    )
+    with pytest.raises(MismatchError, match="bias must be true or false"):
+        M.normalize_layers(
+            [{"type": "Linear", "args": {"bias": True}}, {"type": "Linear", "args": {"bias": 1}}],
+            [{"kernel": k, "bias": b}, {"kernel": k, "bias": b}],
+        )
+    with pytest.raises(MismatchError, match="layer 2"):
+        M.normalize_layers(
+            ["Linear", "Linear", "Linear"],
+            [{"kernel": k, "bias": b}, {"kernel": k, "bias": b}, {"kernel": k, "bias": b[:2]}],
+        )
