@@ -171,6 +171,8 @@ _POSITIVE_ARGS = frozenset(
 )
 #: Keys of a layer entry that describe it but are not arguments.
 _ENTRY_NOTES = frozenset({"name", "trainable"})
+#: Every key a ``{"type": T, "args": {...}}`` entry may have.
+_ARGS_ENTRY_KEYS = _ENTRY_NOTES | {"type", "args"}
 
 
 def _shape(a: Any) -> tuple[int, ...]:
@@ -295,7 +297,7 @@ def entry_parts(entry: Any, index: int) -> tuple[str, dict[str, Any], bool]:
             )
         ltype = entry["type"]
         if "args" in entry:
-            extra = set(entry) - {"type", "args"} - _ENTRY_NOTES
+            extra = not entry.keys() <= _ARGS_ENTRY_KEYS
             args = entry["args"] if entry["args"] is not None else {}
             if extra or not isinstance(args, Mapping):
                 raise MismatchError(
