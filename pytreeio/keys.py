@@ -144,9 +144,11 @@ def first_key(tree: Any) -> str | None:
     """The canonical key path of the first typed PRNG key leaf in ``tree``, or None."""
     if "jax" not in sys.modules:
         return None
-    from .tree import iter_leaves, key_string
+    from .tree import iter_leaves, key_string, leaf_values
 
     try:
+        if not any(type(leaf) is not np.ndarray and is_key(leaf) for leaf in leaf_values(tree)):
+            return None  # the usual answer, found without building every leaf's path
         for path, leaf in iter_leaves(tree):
             if is_key(leaf):
                 return key_string(path) or "<root>"

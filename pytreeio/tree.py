@@ -346,6 +346,32 @@ def iter_leaves(
         yield from iter_leaves(child, (*prefix, comp))
 
 
+def leaf_values(tree: Any) -> Iterator[Any]:
+    """The leaves :func:`iter_leaves` yields, without their paths and in no set order.
+
+    For questions about the leaves alone ("is any a PRNG key?"): plain dicts,
+    lists, tuples and numpy arrays are walked without building paths or
+    checking keys (~10x faster); anything else goes through
+    :func:`node_children` as :func:`iter_leaves` does.
+    """
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        kind = type(node)
+        if kind is np.ndarray:
+            yield node
+        elif kind is dict:
+            stack.extend(node.values())
+        elif kind is list or kind is tuple:
+            stack.extend(node)
+        elif node is not None:
+            kids = node_children(node)
+            if kids is None:
+                yield nnx.unwrap(node)
+            else:
+                stack.extend(child for _, child in kids[0])
+
+
 def flatten(tree: Any) -> dict[str, Any]:
     """``{canonical key string: leaf}`` in traversal order (dict keys sorted where sortable)."""
     out: dict[str, Any] = {}

@@ -181,3 +181,41 @@ def test_python_scalars_restore_into_zero_d_templates_only_when_exact() -> None:
         restore({"step": 1.5, "lr": 0.25, "on": False}, like)
     with pytest.raises(ptio.MismatchError):
         restore({"a": 1}, {"a": np.zeros(2, np.int32)})  # only 0-d templates take scalars
+
+
+def _ids(leaves: Any) -> list[int]:
+    return sorted(id(x) for x in leaves)
+
+
+@given(trees())
+def test_leaf_values_are_the_leaves_iter_leaves_yields(tree: Any) -> None:
+    from pytreeio.tree import iter_leaves, leaf_values
+
+    assert _ids(leaf_values(tree)) == _ids(leaf for _, leaf in iter_leaves(tree))
+
+
+def test_leaf_values_walk_every_kind_of_node() -> None:
+    """Plain containers take the fast walk; the rest (namedtuples, mappings, jax nodes,
+    optax states) go through node_children, with the same leaves as iter_leaves."""
+    from pytreeio.tree import iter_leaves, leaf_values
+
+    a, b, c = np.zeros(2), np.ones(3), np.float32(2.0)
+    tree = {
+        "plain": [a, (b, None), {}],
+        "ordered": OrderedDict(x=c, y=[a]),
+        "opt": optax.adam(1e-3).init({"w": jnp.zeros(3)}),
+        "jax": jnp.arange(4),
+        "scalar": 3,
+    }
+    assert _ids(leaf_values(tree)) == _ids(leaf for _, leaf in iter_leaves(tree))
+    assert len(list(leaf_values(tree))) == len(list(iter_leaves(tree))) > 6
+
+
+def test_a_typed_key_deep_in_plain_containers_is_still_refused(tmp_path: Any) -> None:
+    tree = {
+        "params": {"Dense_0": {"kernel": np.zeros((2, 2), np.float32)}},
+        "rng": [jax.random.key(0)],
+    }
+    with pytest.raises(ptio.EncodeError, match="typed PRNG key") as err:
+        ptio.save(tmp_path / "m.npz", tree, format="netcl-params")
+    assert err.value.key_path == "rng/[0]"

@@ -1100,6 +1100,14 @@ class _Sparse:
 
     def ensure(self, pos: int, n: int) -> bool:
         """Copy in the windows covering ``[pos, pos + n)``; False if the file ends first."""
+        have = self.have
+        if (
+            pos + n <= self.size
+            and pos // _WINDOW in have
+            and (pos + n - 1) // _WINDOW in have
+            and n <= _WINDOW
+        ):
+            return True  # the walk's usual case: a few bytes in a window already in
         end = min(pos + n, self.size)
         for w in range(pos // _WINDOW, (end - 1) // _WINDOW + 1) if end > pos else ():
             if w not in self.have:
@@ -1112,6 +1120,8 @@ class _Sparse:
     def uint(self, pos: int, width: int) -> int | None:
         if not self.ensure(pos, width):
             return None
+        if width == 1:
+            return self.buf[pos]  # type: ignore[no-any-return]
         return int.from_bytes(self.buf[pos : pos + width], "big")
 
     keep = ensure
