@@ -219,3 +219,36 @@ def test_a_typed_key_deep_in_plain_containers_is_still_refused(tmp_path: Any) ->
     with pytest.raises(ptio.EncodeError, match="typed PRNG key") as err:
         ptio.save(tmp_path / "m.npz", tree, format="netcl-params")
     assert err.value.key_path == "rng/[0]"
+
+
+def _flatten_by_paths(tree: Any) -> list[tuple[str, int]]:
+    from pytreeio.tree import iter_leaves
+
+    return [(key_string(path), id(leaf)) for path, leaf in iter_leaves(tree)]
+
+
+@given(trees())
+def test_flatten_keys_and_order_are_iter_leaves(tree: Any) -> None:
+    from pytreeio.tree import flatten
+
+    assert [(k, id(v)) for k, v in flatten(tree).items()] == _flatten_by_paths(tree)
+
+
+def test_flatten_mixed_nodes_and_awkward_keys() -> None:
+    """Plain containers walked directly, other nodes through iter_leaves beneath them, escaped
+    and integer keys, a leaf at the root, and the same refusal of keys no path can name."""
+    from pytreeio.tree import flatten
+
+    a = np.zeros(2)
+    tree = {
+        "a/b": [a, (a, None)],
+        "#x": OrderedDict(z=a, y={"": a, 3: a}),
+        "[0]": optax.adam(1e-3).init({"w": jnp.zeros(3)}),
+        "\\\\": {"k": jnp.ones(2), "s": 1.5},
+        7: [],
+    }
+    assert [(k, id(v)) for k, v in flatten(tree).items()] == _flatten_by_paths(tree)
+    assert list(flatten(a)) == [""] and list(flatten([a])) == ["[0]"]
+    assert flatten(None) == {} and flatten({"e": {}}) == {}
+    with pytest.raises(TypeError, match="dict keys must be str or int"):
+        flatten({"ok": a, "bad": {True: a}})
