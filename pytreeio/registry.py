@@ -47,6 +47,7 @@ from typing import Any, Literal, NamedTuple
 
 from .binary import Buffer, as_memoryview
 from .errors import UnknownFormatError
+from .tree import register_leaf_type
 
 __all__ = [
     "Format",
@@ -432,6 +433,9 @@ class Slot:
         if isinstance(arr, np.ndarray) and not arr.flags.writeable:
             arr = arr.copy()
         return arr
+
+
+register_leaf_type(Slot)  # flatten takes a slots tree's leaves as they are
 
 
 @dataclass(frozen=True)

@@ -372,6 +372,17 @@ def leaf_values(tree: Any) -> Iterator[Any]:
                 stack.extend(child for _, child in kids[0])
 
 
+#: Types :func:`node_children` always finds to be leaves, which :func:`flatten` takes as
+#: they are (their instances are not NNX Variables); modules add their leaf records.
+_LEAF_TYPES: set[type] = {*_SCALAR_TYPES, np.float32, np.float64, np.int32, np.int64, np.bool_}
+
+
+def register_leaf_type(cls: type) -> None:
+    """Have :func:`flatten` take instances of ``cls`` (which must have ``shape`` and ``dtype``,
+    and not be an NNX Variable) as leaves without asking :func:`node_children`."""
+    _LEAF_TYPES.add(cls)
+
+
 def flatten(tree: Any) -> dict[str, Any]:
     """``{canonical key string: leaf}`` in traversal order (dict keys sorted where sortable)."""
     out: dict[str, Any] = {}
@@ -382,8 +393,8 @@ def flatten(tree: Any) -> dict[str, Any]:
 def _flatten_into(node: Any, prefix: str | None, out: dict[str, Any]) -> None:
     """:func:`flatten` below ``prefix`` (None at the root): the key strings and order of
     :func:`iter_leaves`, with plain dicts, lists, tuples and numpy arrays walked directly
-    (a path tuple per leaf and a generator per level cost ~5 us a leaf); anything else
-    goes through :func:`iter_leaves`."""
+    (a path tuple per leaf and a generator per level cost ~5 us a leaf); any other node
+    is taken apart by :func:`node_children`, as :func:`iter_leaves` does."""
     kind = type(node)
     if kind is dict:
         keys = _sorted_keys(node)
@@ -402,12 +413,16 @@ def _flatten_into(node: Any, prefix: str | None, out: dict[str, Any]) -> None:
     elif kind is list or kind is tuple:
         for i, child in enumerate(node):
             _flatten_into(child, f"[{i}]" if prefix is None else f"{prefix}{SEP}[{i}]", out)
-    elif kind is np.ndarray:
+    elif kind is np.ndarray or kind in _LEAF_TYPES:
         out["" if prefix is None else prefix] = node
     elif node is not None:
-        for path, leaf in iter_leaves(node):
-            sub = key_string(path)
-            out[sub if prefix is None else f"{prefix}{SEP}{sub}" if sub else prefix] = leaf
+        kids = node_children(node)
+        if kids is None:
+            out["" if prefix is None else prefix] = nnx.unwrap(node)
+            return
+        for comp, child in kids[0]:
+            name = component_string(comp)
+            _flatten_into(child, name if prefix is None else f"{prefix}{SEP}{name}", out)
 
 
 def str_keys(tree: Any) -> Any:

@@ -237,6 +237,7 @@ def test_flatten_keys_and_order_are_iter_leaves(tree: Any) -> None:
 def test_flatten_mixed_nodes_and_awkward_keys() -> None:
     """Plain containers walked directly, other nodes through iter_leaves beneath them, escaped
     and integer keys, a leaf at the root, and the same refusal of keys no path can name."""
+    from pytreeio.registry import Slot
     from pytreeio.tree import flatten
 
     a = np.zeros(2)
@@ -246,6 +247,7 @@ def test_flatten_mixed_nodes_and_awkward_keys() -> None:
         "[0]": optax.adam(1e-3).init({"w": jnp.zeros(3)}),
         "\\\\": {"k": jnp.ones(2), "s": 1.5},
         7: [],
+        "slots": [Slot("s", 0, 8, (2,), np.dtype("<f4")), np.float32(1), True, "text"],
     }
     assert [(k, id(v)) for k, v in flatten(tree).items()] == _flatten_by_paths(tree)
     assert list(flatten(a)) == [""] and list(flatten([a])) == ["[0]"]
