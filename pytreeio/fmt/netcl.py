@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import jsonsafe, npy
+from .. import dtypes, jsonsafe, npy
 from .. import zip as zipfmt
 from ..binary import ByteSource, as_memoryview
 from ..errors import FormatError, MismatchError
@@ -386,7 +386,7 @@ def inspect(source: Mapping[str, ByteSource]) -> Info:
             arr = npy.read_npy(data, source=src.name, start=m.data_offset, field=f"{key}.npy")
             meta = _meta_from_npz({META_KEY: arr}, npz_role)
         else:
-            entries.append(Entry(key, h.shape, h.dtype.name, h.nbytes))
+            entries.append(Entry(key, h.shape, dtypes.name_of(h.dtype), h.nbytes))
     if role == "legacy":
         js = source["legacy_json"]
         meta = _meta_document(js.read(0, js.size, "json"), js.name or "legacy_json", "json")

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import jsonsafe, npy
+from .. import dtypes, jsonsafe, npy
 from ..binary import ByteSource, as_memoryview
 from ..errors import (
     ConversionError,
@@ -173,7 +173,9 @@ def _restore_named(
 
 
 def _npz_entries(source: ByteSource) -> tuple[Entry, ...]:
-    return tuple(Entry(k, h.shape, h.dtype.name, h.nbytes) for k, h, _ in npy.inspect_npz(source))
+    return tuple(
+        Entry(k, h.shape, dtypes.name_of(h.dtype), h.nbytes) for k, h, _ in npy.inspect_npz(source)
+    )
 
 
 def _plain_npz(probe: Probe | None) -> bool:

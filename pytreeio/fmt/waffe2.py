@@ -1230,7 +1230,7 @@ def inspect(source: Mapping[str, ByteSource]) -> Info:
                 path=SIDECAR,
                 field=raw,
             )
-        entries.append(Entry(raw, tuple(shape), h.dtype.name, h.nbytes))
+        entries.append(Entry(raw, tuple(shape), dtypes.name_of(h.dtype), h.nbytes))
     stray = sorted(set(shapes) - {e.name for e in entries})
     if stray:
         raise FormatError(
