@@ -420,10 +420,20 @@ def read_npz(
     return out
 
 
-def _header_reader(src: ByteSource, m: _zip.ZipMember, key: str) -> Reader:
-    """A reader over the start of a member: enough for its ``.npy`` header, little more."""
+#: Bytes of a member read for its ``.npy`` header (numpy pads most headers to 64 or 128).
+_HEAD_PREFIX = 128
+
+
+def _header_reader(
+    src: ByteSource, m: _zip.ZipMember, key: str, first: memoryview | None = None
+) -> Reader:
+    """A reader over the start of a member: enough for its ``.npy`` header, little more.
+
+    ``first``: the member's first bytes when they were read already (with its local header).
+    """
     # Most headers fit in 128 bytes; read more only when the length field asks for it.
-    first = _zip.member_prefix(src, m, 128)
+    if first is None or len(first) < min(_HEAD_PREFIX, m.size):
+        first = _zip.member_prefix(src, m, _HEAD_PREFIX)
     if len(first) >= 12 and bytes(first[:6]) == MAGIC:
         length = Reader(first[8:12], source=src.name, start=m.data_offset + 8)
         field = f"{key}.npy header length"
@@ -437,9 +447,10 @@ def inspect_npz(source: ByteSource | Buffer) -> list[tuple[str, NpyHeader, _zip.
     """``(name, header, member)`` of every array, reading only the headers."""
     src = source if isinstance(source, ByteSource) else BufferSource(source)
     out = []
-    for m in _zip.read_zip_directory(src):
+    members, prefixes = _zip.read_zip_directory_with_prefixes(src, _HEAD_PREFIX)
+    for m in members:
         key = _array_name(m, src)
-        h = parse_npy_header(_header_reader(src, m, key), f"{key}.npy")
+        h = parse_npy_header(_header_reader(src, m, key, prefixes.get(m.name)), f"{key}.npy")
         if h.data_offset + h.nbytes != m.size:
             raise FormatError(
                 f"{key}: shape {h.shape} of {h.dtype.str} needs {h.data_offset + h.nbytes} bytes, "

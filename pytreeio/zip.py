@@ -62,6 +62,7 @@ __all__ = [
     "ZipMember",
     "check_member_name",
     "read_zip_directory",
+    "read_zip_directory_with_prefixes",
     "member_names",
     "member_data",
     "check_crcs",
@@ -411,8 +412,24 @@ def read_zip_directory(source: ByteSource) -> list[ZipMember]:
     each member's local header and data must lie before the central
     directory, and no two members may overlap.
     """
+    return _read_directory(source, 0)[0]
+
+
+def read_zip_directory_with_prefixes(
+    source: ByteSource, n: int
+) -> tuple[list[ZipMember], dict[str, memoryview]]:
+    """:func:`read_zip_directory`, plus up to the first ``n`` bytes of each stored member's
+    data where they follow its local header closely: read with the header, in one read
+    (what :func:`member_prefix` would return; a member missing here has to be read)."""
+    return _read_directory(source, n)
+
+
+def _read_directory(
+    source: ByteSource, prefix: int
+) -> tuple[list[ZipMember], dict[str, memoryview]]:
     d = _directory(source)
     members: list[ZipMember] = []
+    prefixes: dict[str, memoryview] = {}
     seen: set[str] = set()
     for rec in _central_records(source, d):
         name_at = rec.at + _CENTRAL.size
@@ -431,9 +448,12 @@ def read_zip_directory(source: ByteSource) -> list[ZipMember]:
                 f"{rec.field}.method",
                 rec.at + 10,
             )
-        members.append(_local(source, rec, d.offset))
+        member, head = _local(source, rec, d.offset, prefix)
+        members.append(member)
+        if head is not None:
+            prefixes[member.name] = head
     _check_no_overlap(source, members)
-    return members
+    return members, prefixes
 
 
 def _check_no_overlap(source: ByteSource, members: Sequence[ZipMember]) -> None:
@@ -453,8 +473,11 @@ def _check_no_overlap(source: ByteSource, members: Sequence[ZipMember]) -> None:
         previous = m.name
 
 
-def _local(source: ByteSource, rec: _Central, cd_offset: int) -> ZipMember:
-    """Check ``rec``'s local header and return the member with its data offset."""
+def _local(
+    source: ByteSource, rec: _Central, cd_offset: int, prefix: int = 0
+) -> tuple[ZipMember, memoryview | None]:
+    """Check ``rec``'s local header: the member with its data offset, and with ``prefix``
+    the first bytes of a stored member's data when the same read reached them."""
     name, values = rec.name, rec.values
     hoff = values["header_offset"]
     field = f"zip.local[{name}]"
@@ -465,9 +488,13 @@ def _local(source: ByteSource, rec: _Central, cd_offset: int) -> ZipMember:
             f"{rec.field}.offset",
             hoff,
         )
-    # The header and the name it should hold in one read (a read costs more than its bytes).
+    # The header and the name it should hold in one read (a read costs more than its bytes),
+    # and with ``prefix`` numpy's zip64 extra field and the data's first bytes too.
     n = _LOCAL.size + len(rec.raw_name)
-    head = source.read(hoff, n if hoff + n <= cd_offset else _LOCAL.size, field)
+    ask = n + _ZIP64_LOCAL_EXTRA.size + prefix if prefix else n
+    head = source.read(
+        hoff, min(ask, cd_offset - hoff) if hoff + n <= cd_offset else _LOCAL.size, field
+    )
     if len(head) < _LOCAL.size:  # a source never returns less than asked; this keeps it checked
         raise Reader(head, source=source.name, start=hoff).error("truncated local header", field)
     sig, _need, _res, _flags, lmethod, _t, _d, _crc, _cs, _us, nlen, elen = _LOCAL.unpack_from(head)
@@ -485,8 +512,8 @@ def _local(source: ByteSource, rec: _Central, cd_offset: int) -> ZipMember:
         raise _error(
             source, f"local header of {name!r} runs past the central directory", field, hoff
         )
-    if len(head) == _LOCAL.size + nlen:
-        local_name = bytes(head[_LOCAL.size :])
+    if len(head) >= _LOCAL.size + nlen:
+        local_name = bytes(head[_LOCAL.size : _LOCAL.size + nlen])
     else:
         local_name = bytes(source.read(name_at, nlen, f"{field}.name"))
     if local_name != rec.raw_name:
@@ -520,7 +547,11 @@ def _local(source: ByteSource, rec: _Central, cd_offset: int) -> ZipMember:
             f"{rec.field}.size",
             hoff,
         )
-    return ZipMember(name, rec.method, values["crc"], csize, size, hoff, data_at)
+    member = ZipMember(name, rec.method, values["crc"], csize, size, hoff, data_at)
+    start = data_at - hoff
+    if not prefix or rec.method != STORED or start >= len(head):
+        return member, None
+    return member, head[start : start + min(prefix, csize)]
 
 
 # --------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,3 +101,25 @@ def test_faults_are_reported_by_the_checked_walk(damage: str) -> None:
         zipfmt.read_zip_directory(src)
     assert err.value.path == "a.zip" and err.value.field and err.value.field.startswith("zip.")
     assert err.value.offset is not None
+
+
+def test_prefixes_read_with_the_local_headers_are_the_members_first_bytes(tmp_path: Path) -> None:
+    """What inspect takes from the local header's read is exactly member_prefix's bytes, for
+    stored members of every size; deflated members and a file source's reads are covered too."""
+    from pytreeio.io import FileSource
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for i, n in enumerate([0, 5, 127, 128, 129, 4000]):
+            z.writestr(zipfile.ZipInfo(f"s{i}.npy"), bytes(range(256)) * (n // 256 + 1))
+        z.writestr(zipfile.ZipInfo("tiny.npy"), b"ab")
+        z.writestr("packed.npy", b"x" * 5000, compress_type=zipfile.ZIP_DEFLATED)
+    (tmp_path / "a.zip").write_bytes(buf.getvalue())
+    for src in (BufferSource(buf.getvalue()), FileSource(tmp_path / "a.zip")):
+        members, prefixes = zipfmt.read_zip_directory_with_prefixes(src, 128)
+        assert members == zipfmt.read_zip_directory(src)
+        assert "packed.npy" not in prefixes
+        for m in members:
+            if m.name in prefixes:
+                assert bytes(prefixes[m.name]) == bytes(zipfmt.member_prefix(src, m, 128)), m.name
+        assert {m.name for m in members if m.method == zipfmt.STORED} <= set(prefixes)
