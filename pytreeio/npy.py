@@ -360,11 +360,17 @@ def encode_npy(arr: Any) -> list[Any]:
 # --------------------------------------------------------------------------
 
 
-def _member_reader(source: ByteSource, m: _zip.ZipMember, data: memoryview) -> Reader:
-    # Stored members report file offsets; inflated ones report offsets within the member.
+def _member_origin(source: ByteSource, m: _zip.ZipMember) -> tuple[str | None, int]:
+    """``(name, offset)`` errors in a member's bytes report: stored members report file
+    offsets, inflated ones offsets within the member."""
     if m.method == _zip.STORED:
-        return Reader(data, source=source.name, start=m.data_offset)
-    return Reader(data, source=f"{source.name or '<buffer>'}:{m.name}", start=0)
+        return source.name, m.data_offset
+    return f"{source.name or '<buffer>'}:{m.name}", 0
+
+
+def _member_reader(source: ByteSource, m: _zip.ZipMember, data: memoryview) -> Reader:
+    where, start = _member_origin(source, m)
+    return Reader(data, source=where, start=start)
 
 
 def _array_name(m: _zip.ZipMember, source: ByteSource) -> str:
@@ -411,12 +417,8 @@ def read_npz(
         _zip.check_crcs(src, [(m, data) for _, m, data in members if m.name not in checked])
     out: dict[str, np.ndarray] = {}
     for key, m, data in members:
-        # what _member_reader says of a member, without building a reader for it
-        if m.method == _zip.STORED:
-            where, stored_start = src.name, m.data_offset
-        else:
-            where, stored_start = f"{src.name or '<buffer>'}:{m.name}", 0
-        out[key] = read_npy(data, source=where, start=stored_start, field=f"{key}.npy")
+        where, start = _member_origin(src, m)
+        out[key] = read_npy(data, source=where, start=start, field=f"{key}.npy")
     return out
 
 

@@ -239,6 +239,17 @@ def is_jax_array(x: Any) -> bool:
     return jax is not None and isinstance(x, jax.Array)
 
 
+def _path_keys(d: Mapping[Any, Any]) -> list[Any]:
+    """``d``'s keys in path order, every one checked to form a path component first."""
+    keys = _sorted_keys(d)
+    for k in keys:
+        if isinstance(k, bool) or not isinstance(k, str | int):
+            raise TypeError(
+                f"dict keys must be str or int to form key paths, got {type(k).__name__} {k!r}"
+            )
+    return keys
+
+
 def _sorted_keys(d: Mapping[Any, Any]) -> list[Any]:
     keys = list(d.keys())
     try:
@@ -259,12 +270,7 @@ def node_children(node: Any) -> Children | None:
     if isinstance(node, Mapping):
         if type(node) is not dict and nnx.is_state(node):
             return _jax_children(node)
-        keys = _sorted_keys(node)
-        for k in keys:
-            if isinstance(k, bool) or not isinstance(k, str | int):
-                raise TypeError(
-                    f"dict keys must be str or int to form key paths, got {type(k).__name__} {k!r}"
-                )
+        keys = _path_keys(node)
         cls = type(node)
 
         def rebuild_mapping(values: list[Any], keys: list[Any] = keys, cls: Any = cls) -> Any:
@@ -378,8 +384,9 @@ _LEAF_TYPES: set[type] = {*_SCALAR_TYPES, np.float32, np.float64, np.int32, np.i
 
 
 def register_leaf_type(cls: type) -> None:
-    """Have :func:`flatten` take instances of ``cls`` (which must have ``shape`` and ``dtype``,
-    and not be an NNX Variable) as leaves without asking :func:`node_children`."""
+    """Have :func:`flatten` take instances of ``cls`` as leaves without asking
+    :func:`node_children` (which must find them leaves too: an array record with ``shape`` and
+    ``dtype`` that is no NNX Variable)."""
     _LEAF_TYPES.add(cls)
 
 
@@ -397,22 +404,12 @@ def _flatten_into(node: Any, prefix: str | None, out: dict[str, Any]) -> None:
     is taken apart by :func:`node_children`, as :func:`iter_leaves` does."""
     kind = type(node)
     if kind is dict:
-        keys = _sorted_keys(node)
-        names = []
-        for k in keys:  # every key checked before any child, as node_children does
-            if type(k) is str and k and k[0] not in "[#\\" and "/" not in k and "\\" not in k:
-                names.append(k)
-            elif isinstance(k, bool) or not isinstance(k, str | int):
-                raise TypeError(
-                    f"dict keys must be str or int to form key paths, got {type(k).__name__} {k!r}"
-                )
-            else:
-                names.append(component_string(k))
-        for k, name in zip(keys, names):
-            _flatten_into(node[k], name if prefix is None else f"{prefix}{SEP}{name}", out)
+        keys = _path_keys(node)
+        for k, name in zip(keys, [component_string(k) for k in keys]):
+            _flatten_into(node[k], _joined(prefix, name), out)
     elif kind is list or kind is tuple:
         for i, child in enumerate(node):
-            _flatten_into(child, f"[{i}]" if prefix is None else f"{prefix}{SEP}[{i}]", out)
+            _flatten_into(child, _joined(prefix, f"[{i}]"), out)
     elif kind is np.ndarray or kind in _LEAF_TYPES:
         out["" if prefix is None else prefix] = node
     elif node is not None:
@@ -421,8 +418,11 @@ def _flatten_into(node: Any, prefix: str | None, out: dict[str, Any]) -> None:
             out["" if prefix is None else prefix] = nnx.unwrap(node)
             return
         for comp, child in kids[0]:
-            name = component_string(comp)
-            _flatten_into(child, name if prefix is None else f"{prefix}{SEP}{name}", out)
+            _flatten_into(child, _joined(prefix, component_string(comp)), out)
+
+
+def _joined(prefix: str | None, name: str) -> str:
+    return name if prefix is None else f"{prefix}{SEP}{name}"
 
 
 def str_keys(tree: Any) -> Any:

@@ -496,7 +496,7 @@ def _local(
         hoff, min(ask, cd_offset - hoff) if hoff + n <= cd_offset else _LOCAL.size, field
     )
     if len(head) < _LOCAL.size:  # a source never returns less than asked; this keeps it checked
-        raise Reader(head, source=source.name, start=hoff).error("truncated local header", field)
+        raise _error(source, "truncated local header", field, hoff)
     sig, _need, _res, _flags, lmethod, _t, _d, _crc, _cs, _us, nlen, elen = _LOCAL.unpack_from(head)
     if sig != _SIG_LOCAL:
         raise _error(source, f"bad local header signature for {name!r}", field, hoff)
