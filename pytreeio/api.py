@@ -178,6 +178,8 @@ def _encode(
         )
         out_meta = None
     enc_fixed: dict[str, Any] = {"meta": out_meta}
+    if model is not None and _takes(fmt.encode, "model"):  # the tree is from_model's: checked
+        enc_fixed["model"] = model
     if _takes(fmt.encode, "dest"):
         enc_fixed["dest"] = os.fspath(dest) if dest is not None else None
     return _call(fmt.encode, fmt, opts, tree, **enc_fixed)

@@ -141,9 +141,15 @@ def crc32_many(buffers: Sequence[Sequence[Buffer]]) -> list[int]:
     buffers and many small ones both keep every core busy.
     """
     hash_, comb = _backend()
-    views = [[as_memoryview(c) for c in chunks] for chunks in buffers]
+    views = [[c if type(c) is bytes else as_memoryview(c) for c in chunks] for chunks in buffers]
     if sum(len(v) for vs in views for v in vs) < _PARALLEL_MIN:
-        return [_sequential(vs) for vs in views]  # each hash continues the last: no combine
+        crcs = []
+        for vs in views:  # each hash continues the last: no combine
+            value = 0
+            for v in vs:
+                value = hash_(v, value)
+            crcs.append(value)
+        return crcs
     items = [_pieces(vs) for vs in views]
     workers = pool()
     futures = [[workers.submit(hash_, p) for p in pieces] for pieces in items]

@@ -51,6 +51,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from .errors import ConversionError, MismatchError
 from .tree import allows_extra, describe_leaf, restore
 
@@ -176,6 +178,8 @@ _ARGS_ENTRY_KEYS = _ENTRY_NOTES | {"type", "args"}
 
 
 def _shape(a: Any) -> tuple[int, ...]:
+    if type(a) is np.ndarray:  # its shape already is a tuple of ints
+        return a.shape
     return tuple(map(int, a.shape))
 
 
@@ -390,8 +394,19 @@ def normalize_layers(
             if key is not None:
                 settled[key] = args
         ordered = {k: arrs[k] for k in LAYERS[ltype].arrays if k in arrs}
-        out.append(Layer(ltype, dict(args), ordered, trainable))
+        out.append(_new_layer(ltype, dict(args), ordered, trainable))
     return out
+
+
+def _new_layer(ltype: str, args: dict[str, Any], arrays: dict[str, Any], trainable: bool) -> Layer:
+    """``Layer(ltype, args, arrays, trainable)`` of values already checked, built directly.
+
+    A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``;
+    a model of thousands of layers makes one per layer on every save and load.
+    """
+    layer = object.__new__(Layer)
+    layer.__dict__.update(type=ltype, args=args, arrays=arrays, trainable=trainable)
+    return layer
 
 
 def _settled_key(ltype: str, given: Mapping[str, Any], arrays: Mapping[str, Any]) -> Any:
@@ -647,6 +662,24 @@ def _infer_entries(arrays: Sequence[Any]) -> list[Any]:
 # --------------------------------------------------------------------------
 
 
+def _flax_name(name: Any) -> tuple[str, int] | None:
+    """``(base, index)`` of a Flax module name (``Dense_3`` -> ``("Dense", 3)``), else None."""
+    if type(name) is not str:
+        return None
+    if name in _FLAX_NAMES:
+        return _FLAX_NAMES[name]
+    m = _FLAX_NAME.match(name)
+    parsed = (m.group(1), int(m.group(2))) if m else None
+    if len(_FLAX_NAMES) >= 1 << 16:  # names a process meets are few; stay bounded anyway
+        _FLAX_NAMES.clear()
+    _FLAX_NAMES[name] = parsed
+    return parsed
+
+
+#: Module names parsed before: every save and load of a model parses the same few thousand.
+_FLAX_NAMES: dict[str, tuple[str, int] | None] = {}
+
+
 def _split_flax(tree: Any) -> tuple[Mapping[str, Any], Mapping[str, Any], bool] | None:
     """``(params, batch_stats, is_variables_dict)`` of a Flax tree, or None if it is not one."""
     if not isinstance(tree, Mapping) or not tree:
@@ -661,10 +694,11 @@ def _split_flax(tree: Any) -> tuple[Mapping[str, Any], Mapping[str, Any], bool] 
         variables = True
     else:
         params, stats, variables = tree, {}, False
-    if not params or not all(isinstance(k, str) and _FLAX_NAME.match(k) for k in params):
+    if not params:
         return None
-    if not all(isinstance(m, Mapping) for m in params.values()):
-        return None
+    for k, m in params.items():  # one loop, not two all(): a model may have thousands of modules
+        if _flax_name(k) is None or not (type(m) is dict or isinstance(m, Mapping)):
+            return None
     return params, stats, variables
 
 
@@ -692,17 +726,17 @@ def _flax_index(
     stats: Mapping[str, Any] | None = None,
 ) -> dict[str, int]:
     """The layer index of every Flax module name."""
-    parsed = {n: _FLAX_NAME.match(n) for n in names}
-    bases = {m.group(1) for m in parsed.values() if m}
+    parsed = {n: _flax_name(n) for n in names}
+    bases = {m[0] for m in parsed.values() if m}
     if "layers" in bases:
         if bases != {"layers"}:
             raise MismatchError(
                 "mixing layers_N with Dense_N/Conv_N/BatchNorm_N names", key_path="params"
             )
-        return {n: int(m.group(2)) for n, m in parsed.items() if m}
+        return {n: m[1] for n, m in parsed.items() if m}
     if entries is None:
         if len(bases) == 1:
-            return {n: int(m.group(2)) for n, m in parsed.items() if m}
+            return {n: m[1] for n, m in parsed.items() if m}
         raise MismatchError(
             "a Flax tree with several module kinds (Dense_N, Conv_N, ...) needs the layer order: "
             "pass layers=[...] listing every layer (activations too)",
@@ -712,7 +746,7 @@ def _flax_index(
     out: dict[str, int] = {}
     for base, ltype in _FLAX_KIND.items():
         positions = [i for i, t in enumerate(types) if t == ltype]
-        have = sorted(int(m.group(2)) for m in parsed.values() if m and m.group(1) == base)
+        have = sorted(m[1] for m in parsed.values() if m and m[0] == base)
         if any(k >= len(positions) for k in have) or (
             module_likes is None and have != list(range(len(positions)))
         ):
@@ -728,10 +762,10 @@ def _flax_index(
 
 
 def _module_kind(name: str, module: Any, stats: Mapping[str, Any]) -> str:
-    m = _FLAX_NAME.match(name)
+    m = _flax_name(name)
     assert m is not None
-    if m.group(1) != "layers":
-        return _FLAX_KIND[m.group(1)]
+    if m[0] != "layers":
+        return _FLAX_KIND[m[0]]
     if not isinstance(module, Mapping):
         raise MismatchError(
             f"{name} must be a dict of arrays",
@@ -752,6 +786,12 @@ def _module_kind(name: str, module: Any, stats: Mapping[str, Any]) -> str:
 
 
 def _check_leaf_names(name: str, got: Any, allowed: Sequence[str], where: str) -> None:
+    if type(got) is dict:
+        for k in got:
+            if k not in allowed:
+                break
+        else:
+            return
     if not isinstance(got, Mapping):
         raise MismatchError(
             f"{name} must be a dict of arrays", key_path=f"{where}/{name}", found=type(got).__name__

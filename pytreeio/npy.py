@@ -277,18 +277,30 @@ def npy_header(dtype: Any, shape: tuple[int, ...], fortran_order: bool = False) 
     Version 1.0 unless the header needs more than 65535 bytes (then 2.0),
     exactly as ``numpy.lib.format`` guesses it.
     """
-    dt = dtype if type(dtype) is np.dtype else np.dtype(dtype)
+    if type(shape) is tuple and type(fortran_order) is bool and isinstance(dtype, np.dtype):
+        made = _HEADERS_SEEN.get((dtype, shape, fortran_order))
+        if made is not None:  # the common case: a shape and dtype seen before, as given then
+            return made
+    dt = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
     key = (_descr(dt), tuple(map(int, shape)), bool(fortran_order))
     made = _HEADERS.get(key)
     if made is None:
         if len(_HEADERS) >= _PARSED_MAX:
             _HEADERS.clear()
+            _HEADERS_SEEN.clear()
         made = _HEADERS[key] = _make_npy_header(*key)
+    if type(shape) is tuple and type(fortran_order) is bool and all(type(d) is int for d in shape):
+        if len(_HEADERS_SEEN) >= _PARSED_MAX:
+            _HEADERS_SEEN.clear()
+        _HEADERS_SEEN[(dt, shape, fortran_order)] = made
     return made
 
 
 #: Headers made before, by (descr, shape, fortran_order): a model's layers share a few shapes.
 _HEADERS: dict[tuple[str, tuple[int, ...], bool], bytes] = {}
+#: The same headers by (dtype, shape, fortran_order) as callers pass them (numpy dtypes that
+#: compare equal have the same ``descr``), so a repeat skips the dtype checks of ``_descr``.
+_HEADERS_SEEN: dict[tuple[np.dtype[Any], tuple[int, ...], bool], bytes] = {}
 
 
 def _make_npy_header(descr: str, shape: tuple[int, ...], fortran_order: bool) -> bytes:
@@ -348,6 +360,14 @@ def encode_npy(arr: Any) -> list[Any]:
         stored, fortran = _streamed_layout(arr)
         dtype = arr.dtype.newbyteorder("<") if arr.dtype.itemsize > 1 else arr.dtype
         return [npy_header(dtype, arr.shape, fortran), *(stored.chunks() if arr.nbytes else ())]
+    if type(arr) is np.ndarray and arr.flags.c_contiguous:  # most arrays: no conversions
+        header = npy_header(arr.dtype, arr.shape, False)
+        if not arr.nbytes:
+            return [header]
+        try:
+            return [header, memoryview(arr).cast("B")]  # type: ignore[arg-type]  # a third of reshape + view's cost
+        except (TypeError, ValueError):  # datetimes have no buffer format
+            return [header, arr.reshape(-1).view(np.uint8)]
     data, fortran = _array_layout(arr)
     chunks: list[Buffer] = [npy_header(data.dtype, np.asarray(arr).shape, fortran)]
     if data.nbytes:

@@ -793,8 +793,11 @@ class Format(NamedTuple):
       description: one line for ``pytreeio formats``.
       suffixes: file suffixes that select this format on save (``".msgpack"``).
       layout: :data:`FILE`, a :class:`Siblings` value or :data:`DIRECTORY`.
-      encode: ``encode(tree, *, meta=None, [dest=None,] <save options>) -> Encoded``;
-        takes the native tree (and the common shapes it documents).
+      encode: ``encode(tree, *, meta=None, [dest=None,] [model=None,] <save options>) -> Encoded``;
+        takes the native tree (and the common shapes it documents).  One that
+        declares ``model`` is given the :class:`~pytreeio.model.Model` when
+        ``tree`` and ``meta`` are what ``from_model`` made of it, and may skip
+        checking them again.
       decode: ``decode(source, *, <load options>) -> Decoded`` (native tree, meta).
       inspect: ``inspect(source) -> Info`` touching only headers; ``source``
         is a :class:`pytreeio.binary.ByteSource` (a mapping of them for

@@ -92,6 +92,7 @@ _LOCAL = struct.Struct("<4s2B4HL2L2H")  # 30 bytes
 _CENTRAL = struct.Struct("<4s4B4HL2L5H2L")  # 46 bytes
 _END = struct.Struct("<4s4H2LH")  # 22 bytes
 _END64 = struct.Struct("<4sQ2H2L4Q")  # 56 bytes
+_U64 = struct.Struct("<Q")
 _END64_LOC = struct.Struct("<4sLQL")  # 20 bytes
 _EXTRA_HEAD = struct.Struct("<HH")
 _ZIP64_LOCAL_EXTRA = struct.Struct("<HHQQ")
@@ -117,8 +118,15 @@ def _error(source: ByteSource, reason: str, field: str, offset: int | None) -> F
     return FormatError(reason, path=source.name, field=field, offset=offset)
 
 
+#: Names of word characters, ``:``, ``-`` and ``.`` without a ``/``: one component, never a
+#: drive or an absolute path, so only ``.`` and ``..`` among them are unsafe.
+_PLAIN_NAME = re.compile(r"[\w:.\-]+", re.ASCII)
+
+
 def check_member_name(name: str, *, source: str | None = None, offset: int | None = None) -> None:
     """Refuse archive member names that could address anything outside the archive."""
+    if _PLAIN_NAME.fullmatch(name) is not None and name != "." and name != "..":
+        return  # what nearly every archive holds ("0:weight.npy"), checked in one match
     bad = (
         not name
         or "\x00" in name
@@ -847,24 +855,30 @@ def encode_stored(
         if name in seen:
             raise EncodeError(f"duplicate member name {name!r}", key_path=name)
         seen.add(name)
-        flat = [_buffer_or_deferred(c) for c in chunks]
-        named.append((name, flat))
+        flat: list[Any] = []
         size, deferred = 0, False
-        for c in flat:  # one pass: archives of thousands of small arrays make this add up
-            if isinstance(c, Deferred):
+        for c in chunks:  # one pass: archives of thousands of small arrays make this add up
+            if type(c) is bytes:  # kept: the writer packs small ones cheaply
+                flat.append(c)
+                size += len(c)
+            elif isinstance(c, Deferred):
+                flat.append(c)
                 size, deferred = size + c.nbytes, True
             else:
-                size += len(c)  # a flat byte view's length is its size
+                view = as_memoryview(c)
+                flat.append(view)
+                size += len(view)  # a flat byte view's length is its size
+        named.append((name, flat))
         sizes.append(size)
         late.append(deferred or (overlap and size >= OVERLAP_MIN))
     # The CRC-32 of every member hashed now, on all cores at once.
     eager = iter(_crc.crc32_many([chunks for (_, chunks), d in zip(named, late) if not d]))
     w = Writer()
-    central: list[tuple[bytes, int, Callable[[], int], int, int]] = []
+    central: list[tuple[bytes, int, int | Callable[[], int], int, int]] = []
     for (name, chunks), size, deferred in zip(named, sizes, late):
         raw_name, flags = _encode_name(name)
         offset = w.nbytes
-        crc_of: Callable[[], int]
+        crc_of: int | Callable[[], int]
         if deferred:
             overlapped = crc_of = _OverlappedCrc(chunks)
             header = _local_header(raw_name, flags, 0, size)
@@ -878,11 +892,13 @@ def encode_stored(
             for i, c in enumerate(chunks):
                 w.deferred(Deferred(chunk_nbytes(c), functools.partial(overlapped.start, i)))
         else:
-            crc = next(eager)
-            crc_of = functools.partial(int, crc)
-            w.raw(_local_header(raw_name, flags, crc, size))
-            for c in chunks:
-                w.raw(c)
+            crc = crc_of = next(eager)
+            if size < _SMALL_MEMBER:  # one small copy instead of a writer call per chunk
+                w.raw(b"".join((_local_header(raw_name, flags, crc, size), *chunks)))
+            else:
+                w.raw(_local_header(raw_name, flags, crc, size))
+                for c in chunks:
+                    w.raw(c)
         central.append((raw_name, flags, crc_of, size, offset))
     if any(late):
         cd_offset = w.nbytes
@@ -893,12 +909,8 @@ def encode_stored(
     return w.finish()
 
 
-def _buffer_or_deferred(chunk: Any) -> Any:
-    """A chunk as a flat buffer (``bytes`` kept: the writer packs small ones cheaply) or as is."""
-    if type(chunk) is bytes or isinstance(chunk, Deferred):
-        return chunk
-    return as_memoryview(chunk)
-
+#: Stored members smaller than this are copied into the archive's small-field bytes whole.
+_SMALL_MEMBER = 4096
 
 #: Members this large are hashed while they are written (``encode_stored(overlap=True)``).
 OVERLAP_MIN = 8 << 20
@@ -957,7 +969,7 @@ def _local_header(raw_name: bytes, flags: int, crc: int | Callable[[], int], siz
 
 
 def _central_bytes(
-    central: Sequence[tuple[bytes, int, Callable[[], int], int, int]],
+    central: Sequence[tuple[bytes, int, int | Callable[[], int], int, int]],
     cd_offset: int,
     *,
     resolve: bool = True,
@@ -965,12 +977,20 @@ def _central_bytes(
     """The central directory and end records (CRCs waited for unless ``resolve`` is false)."""
     w = Writer()
     w.nbytes = cd_offset  # offsets in the end records count from the start of the archive
-    _write_central(w, [(n, f, c() if resolve else 0, s, o) for n, f, c, s, o in central])
+    _write_central(
+        w,
+        [
+            (n, f, c if isinstance(c, int) else c() if resolve else 0, s, o)
+            for n, f, c, s, o in central
+        ],
+    )
     return b"".join(bytes(c) for c in w.finish())
 
 
 def _write_central(w: Writer, central: list[tuple[bytes, int, int, int, int]]) -> None:
     cd_offset = w.nbytes
+    records: list[bytes] = []  # joined once: an archive of small arrays has thousands
+    pack = _CENTRAL.pack
     for raw_name, flags, crc, size, offset in central:
         extra: list[int] = []
         fsize = csize = size
@@ -982,16 +1002,16 @@ def _write_central(w: Writer, central: list[tuple[bytes, int, int, int, int]]) -
             extra.append(offset)
             hoff = 0xFFFFFFFF
         extra_len = _EXTRA_HEAD.size + 8 * len(extra) if extra else 0
-        w.struct(
-            _CENTRAL, _SIG_CENTRAL, _ZIP64_VERSION, 3, _ZIP64_VERSION, 0, flags, STORED, 0,
+        records.append(pack(
+            _SIG_CENTRAL, _ZIP64_VERSION, 3, _ZIP64_VERSION, 0, flags, STORED, 0,
             _DOSDATE_1980, crc, csize, fsize, len(raw_name), extra_len, 0, 0, 0,
             _EXTERNAL_ATTR, hoff,
-        )  # fmt: skip
-        w.raw(raw_name)
+        ))  # fmt: skip
+        records.append(raw_name)
         if extra:  # zip64 extended information: tag 1, then the 64-bit values
-            w.struct(_EXTRA_HEAD, 1, 8 * len(extra))
-            for value in extra:
-                w.u64(value)
+            records.append(_EXTRA_HEAD.pack(1, 8 * len(extra)))
+            records.extend(_U64.pack(value) for value in extra)
+    w.raw(b"".join(records))
     end_of_cd = w.nbytes
     count = len(central)
     cd_size = end_of_cd - cd_offset

@@ -353,14 +353,22 @@ def from_model(
     return native, doc
 
 
-def encode(tree: Any, *, meta: Any = None) -> Encoded:
-    """The model file for a native layer list; ``meta`` gives the layer config (partial entries allowed)."""
-    if isinstance(meta, Mapping) and meta.get("type", "Sequential") != "Sequential":
-        raise MismatchError(
-            "netcl stores Sequential models only", key_path="meta.type", found=meta["type"]
-        )
-    given = layer_list(meta) if isinstance(meta, Mapping | list | tuple) else None
-    layers, doc = from_model(_model_of_native(tree, given))
+def encode(tree: Any, *, meta: Any = None, model: Model | None = None) -> Encoded:
+    """The model file for a native layer list; ``meta`` gives the layer config (partial entries allowed).
+
+    ``model`` is the :class:`Model` that :func:`from_model` made ``tree`` and
+    ``meta`` from (the API passes it on a save through the common form):
+    they were checked when it was made, and are written as they are.
+    """
+    if model is not None and isinstance(tree, list) and isinstance(meta, dict):
+        layers, doc = tree, meta
+    else:
+        if isinstance(meta, Mapping) and meta.get("type", "Sequential") != "Sequential":
+            raise MismatchError(
+                "netcl stores Sequential models only", key_path="meta.type", found=meta["type"]
+            )
+        given = layer_list(meta) if isinstance(meta, Mapping | list | tuple) else None
+        layers, doc = from_model(_model_of_native(tree, given))
     try:
         text = json.dumps(doc)
     except (TypeError, ValueError) as exc:
