@@ -437,9 +437,29 @@ def read_npz(
         _zip.check_crcs(src, [(m, data) for _, m, data in members if m.name not in checked])
     out: dict[str, np.ndarray] = {}
     for key, m, data in members:
-        where, start = _member_origin(src, m)
-        out[key] = read_npy(data, source=where, start=start, field=f"{key}.npy")
+        arr = _known_npy(data)
+        if arr is None:
+            where, start = _member_origin(src, m)
+            arr = read_npy(data, source=where, start=start, field=f"{key}.npy")
+        out[key] = arr
     return out
+
+
+def _known_npy(data: memoryview) -> np.ndarray | None:
+    """:func:`read_npy` of a version 1.0 ``.npy`` whose header was parsed before and whose
+    data fills the rest exactly; None otherwise (then ``read_npy`` checks it and says why).
+
+    Most arrays of an archive of many small ones share a few headers.
+    """
+    if len(data) < 10 or data[6] != 1:
+        return None
+    key = bytes(data[: 10 + (data[8] | data[9] << 8)])
+    h = _PARSED.get(key)
+    if h is None or h.nbytes != len(data) - h.data_offset:
+        return None
+    if h.fortran_order and len(h.shape) > 1:
+        return np.ndarray(h.shape[::-1], h.dtype, buffer=data, offset=h.data_offset).transpose()
+    return np.ndarray(h.shape, h.dtype, buffer=data, offset=h.data_offset)
 
 
 #: Bytes of a member read for its ``.npy`` header (numpy pads most headers to 64 or 128).

@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from . import crc as _crc
-from .binary import Buffer, ByteSource, Reader, Writer, as_memoryview
+from .binary import Buffer, BufferSource, ByteSource, Reader, Writer, as_memoryview
 from .errors import EncodeError, FormatError
 from .pools import share
 from .registry import Deferred, chunk_nbytes
@@ -436,6 +436,10 @@ def _read_directory(
     source: ByteSource, prefix: int
 ) -> tuple[list[ZipMember], dict[str, memoryview]]:
     d = _directory(source)
+    if not prefix and type(source) is BufferSource:
+        fast = _well_formed_members(source, d)
+        if fast is not None:
+            return fast, {}
     members: list[ZipMember] = []
     prefixes: dict[str, memoryview] = {}
     seen: set[str] = set()
@@ -462,6 +466,52 @@ def _read_directory(
             prefixes[member.name] = head
     _check_no_overlap(source, members)
     return members, prefixes
+
+
+def _well_formed_members(source: BufferSource, d: _Directory) -> list[ZipMember] | None:
+    """The members of an in-memory archive of plain stored members, or None (then the checked walk).
+
+    What :func:`_read_directory` checks, on the buffer directly (no read per local
+    header): an archive of thousands of small arrays pays those per member.  Anything
+    the walk would refuse, or report on its own terms, returns None.
+    """
+    records = _well_formed_records(source.reader(d.offset, d.size, "zip.central"), d.count)
+    if records is None:
+        return None
+    view, cd_offset = source.view(), d.offset
+    unpack, local_size = _LOCAL.unpack_from, _LOCAL.size
+    members: list[ZipMember] = []
+    seen: set[str] = set()
+    end = 0
+    for rec in records:
+        name, raw_name, values = rec.name, rec.raw_name, rec.values
+        if (
+            name in seen
+            or _PLAIN_NAME.fullmatch(name) is None
+            or name == "."
+            or name == ".."
+            or rec.flags & _FLAG_ENCRYPTED
+            or rec.method != STORED
+        ):
+            return None
+        seen.add(name)
+        hoff, size = values["header_offset"], values["size"]
+        name_at = hoff + local_size
+        if hoff < end or values["compressed_size"] != size or name_at + len(raw_name) > cd_offset:
+            return None  # out of order members take the walk too (it sorts them)
+        sig, _need, _res, _flags, method, _t, _d, _crc, _cs, _us, nlen, elen = unpack(view, hoff)
+        data_at = name_at + nlen + elen
+        if (
+            sig != _SIG_LOCAL
+            or method != STORED
+            or nlen != len(raw_name)
+            or view[name_at : name_at + nlen] != raw_name
+            or data_at + size > cd_offset
+        ):
+            return None
+        members.append(ZipMember(name, STORED, values["crc"], size, size, hoff, data_at))
+        end = data_at + size
+    return members
 
 
 def _check_no_overlap(source: ByteSource, members: Sequence[ZipMember]) -> None:
@@ -678,8 +728,6 @@ def read_archive(
     verified here (deflated ones are checked once inflated, by the caller).
     """
     import numpy as np
-
-    from .binary import BufferSource
 
     if members is None:
         members = read_zip_directory(source)  # type: ignore[arg-type]

@@ -366,7 +366,25 @@ def _datacode_file() -> bytes:
     return datacode.encode(tree, meta={"layers": ["Linear", "ReLU", "Linear"]}).tobytes()
 
 
-_READS = [(_bullet_inspect, _bullet_file, _WEIGHTS), (_datacode_inspect, _datacode_file, "m.nn")]
+def _npz_read(src: ByteSource) -> object:
+    from pytreeio import npy
+
+    return [(k, a.dtype.str, a.shape, a.tobytes()) for k, a in npy.read_npz(src).items()]
+
+
+def _npz_file() -> bytes:
+    from pytreeio import npy
+
+    items = [("a", np.ones((3, 2), np.float32)), ("b", np.arange(4, dtype=np.int16))]
+    items += [("c", np.asfortranarray(np.ones((2, 3)))), ("d", np.float32(2.0))]
+    return b"".join(bytes(c) for c in npy.encode_npz(items))
+
+
+_READS = [
+    (_bullet_inspect, _bullet_file, _WEIGHTS),
+    (_datacode_inspect, _datacode_file, "m.nn"),
+    (_npz_read, _npz_file, "m.npz"),
+]
 
 
 @pytest.mark.parametrize(("read", "make", "name"), _READS)
@@ -427,3 +445,23 @@ def test_serde_json_errors_name_the_member() -> None:
     with pytest.raises(EncodeError) as info:
         dumps([0, -(2**63) - 1])
     assert info.value.key_path == "[1]"
+
+
+# --------------------------------------------------------------------------
+# npz: headers seen before are taken from the cache only when read_npy would agree
+# --------------------------------------------------------------------------
+
+
+@given(data=st.data())
+def test_known_npy_is_read_npy(data: st.DataObject) -> None:
+    from pytreeio import npy
+
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4)
+    whole = b"".join(bytes(c) for c in npy.encode_npy(np.asfortranarray(arr)))
+    npy.read_npy(whole)  # its header is now known
+    mutated = _mutated(whole, data)
+    fast = npy._known_npy(memoryview(mutated))
+    if fast is not None:
+        slow = npy.read_npy(mutated)
+        assert fast.shape == slow.shape and fast.dtype == slow.dtype
+        assert fast.tobytes() == slow.tobytes()

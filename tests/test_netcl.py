@@ -14,9 +14,11 @@ import optax
 import pytest
 
 import pytreeio as ptio
+from pytreeio import npy
 from pytreeio.errors import FormatError, MismatchError
 from pytreeio.fmt import netcl as nc
 from pytreeio.fmt import netcl_checkpoint as nck
+from pytreeio.model import model_of
 
 RNG = np.random.default_rng(0)
 
@@ -482,3 +484,35 @@ def test_checkpoint_moments_are_arrays_in_the_native_tree(tmp_path: Path) -> Non
     st = tmp_path / "c.safetensors"
     ptio.convert(p, st, to="safetensors", from_="netcl-checkpoint")
     assert len(ptio.inspect(st).entries) == 2 + 4 + 1  # two params, two moment pairs, t
+
+
+def test_a_bad_layer_in_a_file_is_named_among_alike_ones() -> None:
+    # Alike layers are checked together; the one at fault is still the one named.
+    layers = [{"weight": f32(4, 4), "bias": f32(4)} for _ in range(6)]
+    enc = nc.encode(layers, meta=None)
+    data = enc.files["model"].tobytes()
+    native, meta = nc.decode({"model": data})
+    meta["config"][3]["args"]["out_features"] = 5  # the same arrays, a config that lies
+    items = [(f"{i}:{k}", a) for i, layer in enumerate(native) for k, a in layer.items()]
+    items.append((nc.META_KEY, np.array(json.dumps(meta), dtype=np.str_)))
+    raw = b"".join(bytes(c) for c in npy.encode_npz(items))
+    with pytest.raises(FormatError) as e:
+        nc.decode({"model": raw})
+    assert e.value.field == "__netcl_meta__.config[3]"
+
+
+def test_save_through_the_common_form_checks_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The API hands encode the Model its tree came from: no second round through it.
+    tree = {"params": {f"Dense_{i}": {"kernel": f32(3, 3), "bias": f32(3)} for i in range(3)}}
+    model = model_of(tree)
+    native, doc = nc.from_model(model)
+    checked = nc.encode(native, meta=doc).files["model"].tobytes()
+    calls: list[int] = []
+    original = nc._model_of_native
+    monkeypatch.setattr(nc, "_model_of_native", lambda *a: calls.append(1) or original(*a))
+    ptio.save(tmp_path / "m.netcl", tree, format="netcl", durable=False)
+    assert calls == []
+    assert (tmp_path / "m.netcl").read_bytes() == checked
+    assert nc.encode(native, meta=doc, model=model).files["model"].tobytes() == checked

@@ -213,15 +213,26 @@ def _checked_layers(
     ``shaped`` gives the array (or a stand-in of its shape and dtype) a member's value
     stands for: :func:`slots` checks slots exactly as :func:`decode` checks arrays.
     """
+    try:  # all layers at once: normalize_layers works out alike layers once
+        commons = [
+            layer_to_common(entry["type"], {k: shaped(v) for k, v in arrs.items()}, f"[{i}]")
+            for i, (entry, arrs) in enumerate(zip(entries, layers))
+        ]
+        if not allow_missing:
+            normalize_layers(entries, commons)
+    except MismatchError as together:  # layer by layer, to name the first one at fault
+        for i, (entry, arrs) in enumerate(zip(entries, layers)):
+            try:
+                common = layer_to_common(
+                    entry["type"], {k: shaped(v) for k, v in arrs.items()}, f"[{i}]"
+                )
+                if not allow_missing:
+                    normalize_layers([entry], [common])
+            except MismatchError as exc:
+                field = f"{META_KEY}.config[{i}]"
+                raise FormatError(exc.reason, path=name, field=field) from None
+        raise FormatError(together.reason, path=name, field=f"{META_KEY}.config") from None
     for i, (entry, arrs) in enumerate(zip(entries, layers)):
-        try:
-            common = layer_to_common(
-                entry["type"], {k: shaped(v) for k, v in arrs.items()}, f"[{i}]"
-            )
-            if not allow_missing:
-                normalize_layers([entry], [common])
-        except MismatchError as exc:
-            raise FormatError(exc.reason, path=name, field=f"{META_KEY}.config[{i}]") from None
         layers[i] = {k: arrs[k] for k in NAMES.get(entry["type"], {}).values() if k in arrs}
     return layers
 
