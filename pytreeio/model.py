@@ -585,7 +585,22 @@ class Model:
                 )
             spec = LAYERS[kind]
             _check_leaf_names(name, module, spec.params, "params")
-            out_params[name] = {k: take(i, k, ("params", name, k), v) for k, v in module.items()}
+            arrays = self.layers[i].arrays if i < len(self.layers) else {}
+            restored: dict[str, Any] = {}
+            for k, v in module.items():
+                a = arrays.get(k)
+                # numpy leaves of like's shape and dtype are the result as they are
+                if (
+                    type(a) is np.ndarray
+                    and type(v) is np.ndarray
+                    and a.shape == v.shape
+                    and a.dtype == v.dtype
+                ):
+                    used.add((i, k))
+                    restored[k] = a
+                else:
+                    restored[k] = take(i, k, ("params", name, k), v)
+            out_params[name] = restored
             if name in stats_like:
                 st = stats_like[name]
                 _check_leaf_names(name, st, spec.stats, "batch_stats")

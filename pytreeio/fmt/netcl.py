@@ -348,13 +348,15 @@ def from_model(
         lossy,
         hint=" (a model file holds no training state; netcl-checkpoint does)",
     )
-    native = [
-        {
-            NAMES[la.type][k]: host(to_netcl(a), f"[{i}].{NAMES[la.type][k]}")
-            for k, a in la.arrays.items()
-        }
-        for i, la in enumerate(model.layers)
-    ]
+    native = []
+    for i, la in enumerate(model.layers):
+        names, layer = NAMES.get(la.type, {}), {}
+        for k, a in la.arrays.items():
+            a = to_netcl(a)
+            if type(a) is not np.ndarray or a.dtype.hasobject:  # numpy ones are ready as they are
+                a = host(a, f"[{i}].{names[k]}")
+            layer[names[k]] = a
+        native.append(layer)
     doc = {
         "type": "Sequential",
         "config": model.config(),

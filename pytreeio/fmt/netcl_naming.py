@@ -69,10 +69,10 @@ def to_netcl(arr: Any) -> Any:
     back is contiguous again (no copy); any other moves through the
     jit-compiled transpose.
     """
-    from ..quant import transpose
-
     if getattr(arr, "ndim", 0) != 4:
         return arr
+    from ..quant import transpose  # here: most arrays are not 4-D kernels
+
     if isinstance(arr, Streamed):  # transposed when read (back to the array read, if it came so)
         return arr.transpose(_HWIO_TO_OIHW)
     if isinstance(arr, np.ndarray):
