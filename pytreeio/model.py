@@ -287,17 +287,20 @@ def layer_problems(ltype: str, args: Mapping[str, Any], arrays: Mapping[str, Any
 
 def entry_parts(entry: Any, index: int) -> tuple[str, dict[str, Any], bool]:
     """``(type, given args, trainable)`` of one layer-list entry in any accepted spelling."""
-    where = f"layers[{index}]"
     trainable = True
-    if isinstance(entry, Layer):
-        return entry.type, dict(entry.args), entry.trainable
     args: dict[str, Any]
-    if isinstance(entry, str):
+    if type(entry) is str:
+        ltype, args = entry, {}
+    elif isinstance(entry, Layer):
+        return entry.type, dict(entry.args), entry.trainable
+    elif isinstance(entry, str):
         ltype, args = entry, {}
     elif type(entry) is dict or isinstance(entry, Mapping):  # dict first: ABC checks are slow
         if "type" not in entry:
             raise MismatchError(
-                "a layer entry needs a 'type'", key_path=where, found=sorted(map(str, entry))
+                "a layer entry needs a 'type'",
+                key_path=f"layers[{index}]",
+                found=sorted(map(str, entry)),
             )
         ltype = entry["type"]
         if "args" in entry:
@@ -306,7 +309,7 @@ def entry_parts(entry: Any, index: int) -> tuple[str, dict[str, Any], bool]:
             if extra or not isinstance(args, Mapping):
                 raise MismatchError(
                     "a layer entry is {'type': T, 'args': {...}} or {'type': T, <args>}",
-                    key_path=where,
+                    key_path=f"layers[{index}]",
                     found=sorted(map(str, entry)),
                 )
             args = dict(args)
@@ -316,24 +319,25 @@ def entry_parts(entry: Any, index: int) -> tuple[str, dict[str, Any], bool]:
             trainable = entry["trainable"]
             if type(trainable) is not bool:
                 raise MismatchError(
-                    "trainable must be true or false", key_path=f"{where}.trainable"
+                    "trainable must be true or false", key_path=f"layers[{index}].trainable"
                 )
     else:
         raise MismatchError(
             "a layer entry must be a type name or a dict",
-            key_path=where,
+            key_path=f"layers[{index}]",
             found=type(entry).__name__,
         )
     if not isinstance(ltype, str) or ltype not in LAYERS:
         raise MismatchError(
-            f"unknown layer type {ltype!r}; known: {sorted(LAYERS)}", key_path=f"{where}.type"
+            f"unknown layer type {ltype!r}; known: {sorted(LAYERS)}",
+            key_path=f"layers[{index}].type",
         )
     known = LAYERS[ltype].arg_set
     unknown = [k for k in args if k not in known]
     if unknown:
         raise MismatchError(
             f"unknown args {sorted(map(str, unknown))} for {ltype}",
-            key_path=f"{where}.args",
+            key_path=f"layers[{index}].args",
             expected=list(LAYERS[ltype].arg_names),
         )
     return ltype, args, trainable
