@@ -143,13 +143,7 @@ def crc32_many(buffers: Sequence[Sequence[Buffer]]) -> list[int]:
     hash_, comb = _backend()
     views = [[c if type(c) is bytes else as_memoryview(c) for c in chunks] for chunks in buffers]
     if sum(len(v) for vs in views for v in vs) < _PARALLEL_MIN:
-        crcs = []
-        for vs in views:  # each hash continues the last: no combine
-            value = 0
-            for v in vs:
-                value = hash_(v, value)
-            crcs.append(value)
-        return crcs
+        return [_sequential(vs) for vs in views]  # each hash continues the last: no combine
     items = [_pieces(vs) for vs in views]
     workers = pool()
     futures = [[workers.submit(hash_, p) for p in pieces] for pieces in items]
@@ -191,7 +185,7 @@ def crc32_start(chunks: Sequence[Buffer]) -> Callable[[], int]:
     return future.result
 
 
-def _sequential(views: Sequence[memoryview]) -> int:
+def _sequential(views: Sequence[Buffer]) -> int:
     hash_ = _backend()[0]
     value = 0
     for v in views:

@@ -253,11 +253,15 @@ def read_npy(
             f"{field}.data",
             data_at,
         )
-    # The header's shape passed check_shape when it was parsed and its bytes are all there:
-    # numpy can take both as they are.
+    return _array_at(h, r.view, r.pos)
+
+
+def _array_at(h: NpyHeader, buffer: Buffer, offset: int) -> np.ndarray:
+    """The array ``h`` describes, a view of ``buffer`` at ``offset`` (its bytes all there)."""
+    # The header's shape passed check_shape when it was parsed: numpy can take it as it is.
     if h.fortran_order and len(h.shape) > 1:
-        return np.ndarray(h.shape[::-1], h.dtype, buffer=r.view, offset=r.pos).transpose()
-    return np.ndarray(h.shape, h.dtype, buffer=r.view, offset=r.pos)
+        return np.ndarray(h.shape[::-1], h.dtype, buffer=buffer, offset=offset).transpose()
+    return np.ndarray(h.shape, h.dtype, buffer=buffer, offset=offset)
 
 
 def _descr(dtype: np.dtype[Any]) -> str:
@@ -457,9 +461,7 @@ def _known_npy(data: memoryview) -> np.ndarray | None:
     h = _PARSED.get(key)
     if h is None or h.nbytes != len(data) - h.data_offset:
         return None
-    if h.fortran_order and len(h.shape) > 1:
-        return np.ndarray(h.shape[::-1], h.dtype, buffer=data, offset=h.data_offset).transpose()
-    return np.ndarray(h.shape, h.dtype, buffer=data, offset=h.data_offset)
+    return _array_at(h, data, h.data_offset)
 
 
 #: Bytes of a member read for its ``.npy`` header (numpy pads most headers to 64 or 128).

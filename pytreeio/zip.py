@@ -92,7 +92,6 @@ _LOCAL = struct.Struct("<4s2B4HL2L2H")  # 30 bytes
 _CENTRAL = struct.Struct("<4s4B4HL2L5H2L")  # 46 bytes
 _END = struct.Struct("<4s4H2LH")  # 22 bytes
 _END64 = struct.Struct("<4sQ2H2L4Q")  # 56 bytes
-_U64 = struct.Struct("<Q")
 _END64_LOC = struct.Struct("<4sLQL")  # 20 bytes
 _EXTRA_HEAD = struct.Struct("<HH")
 _ZIP64_LOCAL_EXTRA = struct.Struct("<HHQQ")
@@ -123,10 +122,15 @@ def _error(source: ByteSource, reason: str, field: str, offset: int | None) -> F
 _PLAIN_NAME = re.compile(r"[\w:.\-]+", re.ASCII)
 
 
+def _plain_member_name(name: str) -> bool:
+    """A safe name of the kind nearly every archive holds (``0:weight.npy``), in one match."""
+    return _PLAIN_NAME.fullmatch(name) is not None and name != "." and name != ".."
+
+
 def check_member_name(name: str, *, source: str | None = None, offset: int | None = None) -> None:
     """Refuse archive member names that could address anything outside the archive."""
-    if _PLAIN_NAME.fullmatch(name) is not None and name != "." and name != "..":
-        return  # what nearly every archive holds ("0:weight.npy"), checked in one match
+    if _plain_member_name(name):
+        return
     bad = (
         not name
         or "\x00" in name
@@ -487,9 +491,7 @@ def _well_formed_members(source: BufferSource, d: _Directory) -> list[ZipMember]
         name, raw_name, values = rec.name, rec.raw_name, rec.values
         if (
             name in seen
-            or _PLAIN_NAME.fullmatch(name) is None
-            or name == "."
-            or name == ".."
+            or not _plain_member_name(name)
             or rec.flags & _FLAG_ENCRYPTED
             or rec.method != STORED
         ):
@@ -1057,8 +1059,7 @@ def _write_central(w: Writer, central: list[tuple[bytes, int, int, int, int]]) -
         ))  # fmt: skip
         records.append(raw_name)
         if extra:  # zip64 extended information: tag 1, then the 64-bit values
-            records.append(_EXTRA_HEAD.pack(1, 8 * len(extra)))
-            records.extend(_U64.pack(value) for value in extra)
+            records.append(struct.pack(f"<HH{len(extra)}Q", 1, 8 * len(extra), *extra))
     w.raw(b"".join(records))
     end_of_cd = w.nbytes
     count = len(central)

@@ -459,6 +459,8 @@ def test_known_npy_is_read_npy(data: st.DataObject) -> None:
     arr = np.arange(12, dtype=np.float32).reshape(3, 4)
     whole = b"".join(bytes(c) for c in npy.encode_npy(np.asfortranarray(arr)))
     npy.read_npy(whole)  # its header is now known
+    known = npy._known_npy(memoryview(whole))
+    assert known is not None and np.array_equal(known, arr) and known.flags.f_contiguous
     mutated = _mutated(whole, data)
     fast = npy._known_npy(memoryview(mutated))
     if fast is not None:

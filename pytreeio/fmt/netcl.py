@@ -213,21 +213,20 @@ def _checked_layers(
     ``shaped`` gives the array (or a stand-in of its shape and dtype) a member's value
     stands for: :func:`slots` checks slots exactly as :func:`decode` checks arrays.
     """
+
+    def common(i: int, entry: dict[str, Any], arrs: dict[str, Any]) -> dict[str, Any]:
+        return layer_to_common(entry["type"], {k: shaped(v) for k, v in arrs.items()}, f"[{i}]")
+
     try:  # all layers at once: normalize_layers works out alike layers once
-        commons = [
-            layer_to_common(entry["type"], {k: shaped(v) for k, v in arrs.items()}, f"[{i}]")
-            for i, (entry, arrs) in enumerate(zip(entries, layers))
-        ]
+        commons = [common(i, e, arrs) for i, (e, arrs) in enumerate(zip(entries, layers))]
         if not allow_missing:
             normalize_layers(entries, commons)
     except MismatchError as together:  # layer by layer, to name the first one at fault
         for i, (entry, arrs) in enumerate(zip(entries, layers)):
             try:
-                common = layer_to_common(
-                    entry["type"], {k: shaped(v) for k, v in arrs.items()}, f"[{i}]"
-                )
+                one = common(i, entry, arrs)
                 if not allow_missing:
-                    normalize_layers([entry], [common])
+                    normalize_layers([entry], [one])
             except MismatchError as exc:
                 field = f"{META_KEY}.config[{i}]"
                 raise FormatError(exc.reason, path=name, field=field) from None
