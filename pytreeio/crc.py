@@ -29,6 +29,7 @@ __all__ = [
     "crc32",
     "combine",
     "crc32_many",
+    "crc32_spans",
     "crc32_start",
     "combine_all",
     "pool",
@@ -155,6 +156,14 @@ def crc32_many(buffers: Sequence[Sequence[Buffer]]) -> list[int]:
             value = comb(value, c, len(piece))
         out.append(value)
     return out
+
+
+def crc32_spans(view: memoryview, spans: Sequence[tuple[int, int]]) -> list[int]:
+    """The CRC-32 of each ``[start, stop)`` span of one buffer (:func:`crc32_many` of its slices)."""
+    if sum(b - a for a, b in spans) < _PARALLEL_MIN:  # small: hashed here, one call per span
+        hash_ = _backend()[0]
+        return [hash_(view[a:b]) for a, b in spans]
+    return crc32_many([(view[a:b],) for a, b in spans])
 
 
 def combine_all(parts: Sequence[tuple[int, int]]) -> int:

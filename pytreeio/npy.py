@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from . import npz_plans
 from . import zip as _zip
 from .binary import Buffer, BufferSource, ByteSource, Reader, Writer, as_memoryview, check_shape
 from .errors import EncodeError, FormatError
@@ -159,6 +160,8 @@ def _canonical_header(text: str) -> dict[str, Any] | None:
     return {"descr": descr, "fortran_order": fortran == "True", "shape": shape}
 
 
+_AST_NODE = re.compile(r"<ast\.(\w+) object at 0x[0-9a-fA-F]+>")
+
 #: Headers parsed before, by their bytes (prefix included): the arrays of one file share a
 #: few, and parsing one costs tens of microseconds.  Only successful parses are kept.
 _PARSED: dict[bytes, NpyHeader] = {}
@@ -211,8 +214,11 @@ def _parse_npy_header(r: Reader, field: str) -> NpyHeader:
         except (
             ValueError, SyntaxError, TypeError, MemoryError, RecursionError, OverflowError
         ) as exc:  # fmt: skip
+            # ast's message names a node by its address: worded stably, so the same bytes
+            # always give the same error
+            reason = _AST_NODE.sub(r"ast.\1", str(exc))
             raise r.error(
-                f"header is not a Python literal: {exc}", f"{field}.header", hstart
+                f"header is not a Python literal: {reason}", f"{field}.header", hstart
             ) from None
     if not isinstance(d, dict) or set(d) != {"descr", "fortran_order", "shape"}:
         raise r.error(
@@ -426,6 +432,11 @@ def read_npz(
     ranged = callable(getattr(src, "read_into", None))
     if ranged and src.size < _zip.FUSED_MIN:  # one read, then the directory from memory
         src, ranged = BufferSource(src.read(0, src.size, "zip"), name=src.name), False
+    in_memory = type(src) is BufferSource
+    if in_memory:  # the framing of an archive read before: no walk
+        replayed = npz_plans.replay(src.view(), verify_crc=verify_crc)
+        if replayed is not None:
+            return replayed
     found: Sequence[_zip.ZipMember] = _zip.read_zip_directory(src)
     keys = [_array_name(m, src) for m in found]  # every name checked before the data is read
     if ranged:
@@ -446,7 +457,22 @@ def read_npz(
             where, start = _member_origin(src, m)
             arr = read_npy(data, source=where, start=start, field=f"{key}.npy")
         out[key] = arr
+    if in_memory and npz_plans.worth_learning(src.view(), len(found)):
+        npz_plans.learn(
+            src.view(),
+            found,
+            keys,
+            [_known_header(data) for _, _, data in members],
+            _zip.central_offsets(src),
+        )
     return out
+
+
+def _known_header(data: memoryview) -> NpyHeader | None:
+    """The parsed version 1.0 header ``data`` (a whole ``.npy``) starts with, if parsed before."""
+    if len(data) < 10 or data[6] != 1:
+        return None
+    return _PARSED.get(bytes(data[: 10 + (data[8] | data[9] << 8)]))
 
 
 def _known_npy(data: memoryview) -> np.ndarray | None:
@@ -455,10 +481,7 @@ def _known_npy(data: memoryview) -> np.ndarray | None:
 
     Most arrays of an archive of many small ones share a few headers.
     """
-    if len(data) < 10 or data[6] != 1:
-        return None
-    key = bytes(data[: 10 + (data[8] | data[9] << 8)])
-    h = _PARSED.get(key)
+    h = _known_header(data)
     if h is None or h.nbytes != len(data) - h.data_offset:
         return None
     return _array_at(h, data, h.data_offset)

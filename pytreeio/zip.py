@@ -66,6 +66,7 @@ __all__ = [
     "member_names",
     "member_data",
     "check_crcs",
+    "central_offsets",
     "read_archive",
     "RangeSource",
     "FUSED_MIN",
@@ -90,6 +91,7 @@ DEFLATED = 8
 
 _LOCAL = struct.Struct("<4s2B4HL2L2H")  # 30 bytes
 _CENTRAL = struct.Struct("<4s4B4HL2L5H2L")  # 46 bytes
+_CENTRAL_LENGTHS = struct.Struct("<3H")  # at 28: name, extra and comment lengths
 _END = struct.Struct("<4s4H2LH")  # 22 bytes
 _END64 = struct.Struct("<4sQ2H2L4Q")  # 56 bytes
 _END64_LOC = struct.Struct("<4sLQL")  # 20 bytes
@@ -514,6 +516,21 @@ def _well_formed_members(source: BufferSource, d: _Directory) -> list[ZipMember]
         members.append(ZipMember(name, STORED, values["crc"], size, size, hoff, data_at))
         end = data_at + size
     return members
+
+
+def central_offsets(source: ByteSource) -> list[int] | None:
+    """Where each central record of an archive starts, in order; None where the records do
+    not fill the directory exactly (what :func:`read_zip_directory` checks and reports)."""
+    d = _directory(source)
+    view = source.reader(d.offset, d.size, "zip.central").view
+    out: list[int] = []
+    pos, end, lengths = 0, len(view), _CENTRAL_LENGTHS.unpack_from
+    for _ in range(d.count):
+        if pos + _CENTRAL.size > end:
+            return None
+        out.append(d.offset + pos)
+        pos += _CENTRAL.size + sum(lengths(view, pos + 28))
+    return out if pos == end else None
 
 
 def _check_no_overlap(source: ByteSource, members: Sequence[ZipMember]) -> None:

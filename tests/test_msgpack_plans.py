@@ -20,11 +20,12 @@ from conftest import assert_same_tree
 import pytreeio as ptio
 from pytreeio.errors import FormatError
 from pytreeio.fmt import msgpack, msgpack_plans
+from pytreeio.skeleton import Shelf
 
 
 @pytest.fixture(autouse=True)
 def no_plans(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(msgpack_plans, "_PLANS", [])
+    monkeypatch.setattr(msgpack_plans, "_PLANS", Shelf(msgpack_plans.MAX_PLANS))
     yield
 
 
@@ -64,7 +65,7 @@ def test_second_decode_is_replayed_and_identical_to_the_parse(
 ) -> None:
     data = _encoded(_tree())
     first = _decode(data)
-    assert len(msgpack_plans._PLANS) == 1  # learnt from the first parse
+    assert len(msgpack_plans._PLANS.plans) == 1  # learnt from the first parse
     calls = []
     parse = msgpack._parse
     monkeypatch.setattr(msgpack, "_parse", lambda *a, **k: calls.append(1) or parse(*a, **k))
@@ -100,9 +101,9 @@ def test_a_different_skeleton_byte_is_parsed(other: dict[str, Any]) -> None:
 def test_random_skeleton_byte_flips_are_parsed_or_refused() -> None:
     data = _encoded(_tree())
     _decode(data)
-    plan = msgpack_plans._PLANS[0]
+    plan = msgpack_plans._PLANS.plans[0]
     rng = np.random.default_rng(0)
-    for pos in rng.choice(plan.positions, size=200, replace=False):
+    for pos in rng.choice(plan.skeleton.positions, size=200, replace=False):
         bad = bytearray(data)
         bad[int(pos)] ^= 0x5A
         assert msgpack_plans.replay(memoryview(bad)) is None
@@ -118,8 +119,8 @@ def test_random_skeleton_byte_flips_are_parsed_or_refused() -> None:
 def test_payload_bytes_are_data_only() -> None:
     data = bytearray(_encoded(_tree()))
     _decode(bytes(data))
-    plan = msgpack_plans._PLANS[0]
-    payload = np.setdiff1d(np.arange(len(data)), plan.positions)
+    plan = msgpack_plans._PLANS.plans[0]
+    payload = np.setdiff1d(np.arange(len(data)), plan.skeleton.positions)
     data[int(payload[0])] ^= 0xFF
     _identical(_decode(bytes(data)), _parsed(bytes(data)))
 
@@ -141,11 +142,11 @@ def test_small_and_non_plain_trees_are_not_learnt() -> None:
     _decode(_encoded(small))
     with_empty = {**_tree(), "empty": np.zeros((0, 3), np.float32)}  # no offset of its own
     _decode(_encoded(with_empty))
-    assert msgpack_plans._PLANS == []
+    assert msgpack_plans._PLANS.plans == []
     # a list is stored as flax does, a map keyed '0'..'n-1': a plain tree, learnt
     with_list = {**_tree(), "history": [1, 2, 3]}
     _decode(_encoded(with_list))
-    assert len(msgpack_plans._PLANS) == 1
+    assert len(msgpack_plans._PLANS.plans) == 1
     # and each decodes as the parser does, replayed or not
     for tree in (small, with_list, with_empty):
         data = _encoded(tree)
@@ -157,7 +158,7 @@ def test_plans_are_bounded_and_loads_through_the_api_use_them(tmp_path: Any) -> 
         tree = _tree()
         tree["params"][f"extra_{n}"] = {"w": np.ones(n + 1, np.float32)}  # another length each
         _decode(_encoded(tree))
-    assert len(msgpack_plans._PLANS) == msgpack_plans.MAX_PLANS
+    assert len(msgpack_plans._PLANS.plans) == msgpack_plans.MAX_PLANS
     path = tmp_path / "t.msgpack"
     tree = _tree(seed=3)
     ptio.save(path, tree, format="msgpack")
@@ -178,5 +179,5 @@ def test_learning_allocates_nothing_file_sized() -> None:
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert len(msgpack_plans._PLANS) == 1
+    assert len(msgpack_plans._PLANS.plans) == 1
     assert peak < (1 << 20), peak  # the file is 40 MiB

@@ -516,3 +516,43 @@ def test_save_through_the_common_form_checks_once(
     assert calls == []
     assert (tmp_path / "m.netcl").read_bytes() == checked
     assert nc.encode(native, meta=doc, model=model).files["model"].tobytes() == checked
+
+
+def _layers_file(config_out: int = 4, n: int = 6) -> bytes:
+    layers = [{"weight": f32(4, 4), "bias": f32(4)} for _ in range(n)]
+    raw = nc.encode(layers, meta=None).files["model"].tobytes()
+    if config_out == 4:
+        return raw
+    native, meta = nc.decode({"model": raw})
+    meta["config"][2]["args"]["out_features"] = config_out  # same length, a config that lies
+    items = [(f"{i}:{k}", a) for i, layer in enumerate(native) for k, a in layer.items()]
+    items.append((nc.META_KEY, np.array(json.dumps(meta), dtype=np.str_)))
+    return b"".join(bytes(c) for c in npy.encode_npz(items))
+
+
+def test_a_structure_checked_before_is_not_checked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nc, "_LAYOUTS", {})
+    calls: list[int] = []
+    original = nc._checked_layers
+    monkeypatch.setattr(nc, "_checked_layers", lambda *a: calls.append(1) or original(*a))
+    raw = _layers_file()
+    first = nc.decode({"model": raw})
+    again = nc.decode({"model": raw})
+    assert calls == [1]  # the second decode took the checked layout
+    assert [list(layer) for layer in again.tree] == [list(layer) for layer in first.tree]
+    for a, b in zip(first.tree, again.tree):
+        for k in a:
+            assert a[k].shape == b[k].shape and a[k].tobytes() == b[k].tobytes()
+    assert again.meta == first.meta and again.meta is not first.meta  # a fresh document
+    # a meta text that differs (same length, same members) is checked, and its fault found
+    with pytest.raises(FormatError) as e:
+        nc.decode({"model": _layers_file(config_out=5)})
+    assert e.value.field == "__netcl_meta__.config[2]"
+    assert calls == [1, 1]
+    # a member of another shape under the same meta is checked too
+    items = [(k, a) for k, a in npy.read_npz(raw).items()]
+    items[0] = (items[0][0], f32(2, 8))
+    with pytest.raises(FormatError, match="config"):
+        nc.decode({"model": b"".join(bytes(c) for c in npy.encode_npz(items))})
+    assert calls == [1, 1, 1]
+    assert len(nc._LAYOUTS) == 1  # only successful checks are kept

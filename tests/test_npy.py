@@ -413,3 +413,15 @@ def test_crc_mismatch_is_found_in_any_of_many_members(monkeypatch: pytest.Monkey
             npy.read_npz(bytes(bad), verify_crc=False)[m.name[:-4]].shape
             == items[m.name[:-4]].shape
         )
+
+
+def test_a_header_that_is_not_a_literal_gives_the_same_error_every_time() -> None:
+    header = b"{'descr': f4, 'fortran_order': False, 'shape': (2,), }"  # a name, not a string
+    header += b" " * (63 - 10 - len(header)) + b"\n"
+    data = npy.MAGIC + b"\x01\x00" + struct.pack("<H", len(header)) + header + bytes(8)
+    messages = set()
+    for _ in range(3):
+        with pytest.raises(FormatError, match="not a Python literal") as caught:
+            npy.read_npy(bytes(data))
+        messages.add(str(caught.value))
+    assert len(messages) == 1 and "0x" not in messages.pop()

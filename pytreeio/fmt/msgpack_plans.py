@@ -21,19 +21,17 @@ immutable scalars; a few plans are kept per process (the most recent).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..skeleton import Shelf, Skeleton
+
 __all__ = ["Plan", "learn", "replay"]
 
 #: Trees with fewer array leaves parse fast enough: no plan.
 MIN_LEAVES = 32
-#: Skeletons larger than this are not kept (memory: 5 bytes per skeleton byte, so at most
-#: about 5 MiB per plan; 1 MiB of skeleton is some 20,000 leaves).
-MAX_SKELETON = 1 << 20
 #: Plans kept at most (the most recently learnt first; one per buffer length).
 MAX_PLANS = 4
 
@@ -42,31 +40,19 @@ _SCALARS = (int, float, bool, str, bytes, type(None))
 
 @dataclass(frozen=True)
 class Plan:
-    """A learnt tree: skeleton positions and bytes, and how to rebuild the tree."""
+    """A learnt tree: its skeleton, and how to rebuild the tree."""
 
-    length: int
-    positions: np.ndarray  # int32/int64 offsets of the skeleton's bytes
-    skeleton: np.ndarray  # uint8, the bytes at `positions`
+    skeleton: Skeleton
     template: Any  # dict of key -> template; leaves ("a", offset, dtype, count, shape) or ("c", v)
 
 
-_PLANS: list[Plan] = []
-_LOCK = threading.Lock()
+_PLANS: Shelf[Plan] = Shelf(MAX_PLANS)
 
 
 def replay(view: memoryview) -> Any:
     """The tree of ``view`` built from a plan whose skeleton it matches, or None."""
-    plans = _PLANS  # read once: learn() replaces the list, never changes it
-    if not plans:
-        return None
-    n = len(view)
-    for plan in plans:
-        if plan.length != n:
-            continue
-        data = np.frombuffer(view, dtype=np.uint8)
-        if np.array_equal(data[plan.positions], plan.skeleton):
-            return _build(plan.template, view)
-    return None
+    plan = _PLANS.find(view)
+    return None if plan is None else _build(plan.template, view)
 
 
 def _build(template: dict[str, Any], view: memoryview) -> dict[str, Any]:
@@ -88,29 +74,14 @@ def learn(view: memoryview, tree: Any) -> None:
     if type(tree) is not dict:
         return
     data = np.frombuffer(view, dtype=np.uint8)
-    base = data.ctypes.data
-    n = data.nbytes
     spans: list[tuple[int, int]] = []
-    template = _template(tree, base, n, spans)
+    template = _template(tree, data.ctypes.data, data.nbytes, spans)
     if template is None or len(spans) < MIN_LEAVES:
         return
-    starts = np.fromiter((s for s, _ in spans), dtype=np.int64, count=len(spans))
-    stops = np.fromiter((e for _, e in spans), dtype=np.int64, count=len(spans))
-    if np.any(starts[1:] < stops[:-1]):  # not in file order, or overlapping: not learnt
-        return
-    # the skeleton is the gaps between payloads (sized before anything file-sized is made)
-    gap_starts = np.concatenate(([0], stops))
-    gap_stops = np.concatenate((starts, [n]))
-    if int((gap_stops - gap_starts).sum()) > MAX_SKELETON:
-        return
-    index = np.int32 if n < 2**31 else np.int64
-    positions = np.concatenate(
-        [np.arange(a, b, dtype=index) for a, b in zip(gap_starts.tolist(), gap_stops.tolist())]
-    )
-    plan = Plan(n, positions, data[positions].copy(), template)
-    with _LOCK:
-        global _PLANS
-        _PLANS = [plan, *(p for p in _PLANS if p.length != n)][:MAX_PLANS]
+    starts, stops = np.array(spans, dtype=np.int64).reshape(-1, 2).T
+    skeleton = Skeleton.of(data, starts, stops)  # None: out of file order, overlapping, too large
+    if skeleton is not None:
+        _PLANS.keep(Plan(skeleton, template))
 
 
 def _template(

@@ -150,6 +150,10 @@ def _split_members(arrays: Mapping[str, Any], n_layers: int, name: str) -> list[
 
 
 def _meta_from_npz(arrays: Mapping[str, np.ndarray], name: str) -> dict[str, Any]:
+    return _meta_document(_meta_text(arrays, name), name, META_KEY)
+
+
+def _meta_text(arrays: Mapping[str, np.ndarray], name: str) -> str:
     if META_KEY not in arrays:
         raise FormatError(
             f"model file is missing NetCL metadata ({META_KEY})", path=name, field=META_KEY
@@ -162,12 +166,11 @@ def _meta_from_npz(arrays: Mapping[str, np.ndarray], name: str) -> dict[str, Any
             field=META_KEY,
         )
     try:
-        text = str(m.item())
+        return str(m.item())
     except (ValueError, UnicodeError) as exc:
         raise FormatError(
             f"{META_KEY} holds invalid text: {exc}", path=name, field=META_KEY
         ) from None
-    return _meta_document(text, name, META_KEY)
 
 
 def _role(source: Mapping[str, Any]) -> str:
@@ -187,18 +190,36 @@ def decode(
     """The per-layer arrays and the meta document; ``allow_missing`` accepts absent arrays (as netcl)."""
     role = _role(source)
     if role == "legacy":
-        meta = _meta_document(as_memoryview(source["legacy_json"]), "legacy_json", "json")
+        text: Any = bytes(as_memoryview(source["legacy_json"]))
+        meta = _meta_document(text, "legacy_json", "json")
         name = "legacy_npz"
         arrays = read_npz(source, name, verify_crc)
     else:
         name = role
         arrays = read_npz(source, role, verify_crc)
-        meta = _meta_from_npz(arrays, role)
-    entries = _file_entries(meta, name)
-    layers = _checked_layers(
-        entries, _split_members(arrays, len(entries), name), name, allow_missing
-    )
-    return Decoded(layers, meta)
+        text = _meta_text(arrays, role)
+        meta = _meta_document(text, role, META_KEY)
+    # Which member is which layer's array follows from the meta text and the members' names,
+    # shapes and dtypes alone: a structure checked before is not checked again.
+    key = (name, text, allow_missing, *[(k, a.shape, a.dtype) for k, a in arrays.items()])
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        entries = _file_entries(meta, name)
+        layers = _checked_layers(
+            entries, _split_members(arrays, len(entries), name), name, allow_missing
+        )
+        if len(_LAYOUTS) >= _LAYOUTS_MAX:
+            _LAYOUTS.clear()
+        member = {id(a): k for k, a in arrays.items()}  # the layers hold the members' arrays
+        _LAYOUTS[key] = [[(n, member[id(a)]) for n, a in layer.items()] for layer in layers]
+        return Decoded(layers, meta)
+    return Decoded([{n: arrays[k] for n, k in pairs} for pairs in layout], meta)
+
+
+#: Checked structures: (file, meta text, allow_missing, (member, shape, dtype)...) -> per
+#: layer its (netcl name, member) pairs.  Only successful checks are kept; a few suffice.
+_LAYOUTS: dict[tuple[Any, ...], list[list[tuple[str, str]]]] = {}
+_LAYOUTS_MAX = 8
 
 
 def _checked_layers(

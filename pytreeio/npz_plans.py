@@ -1,0 +1,114 @@
+"""Replay of an in-memory ``.npz`` archive whose framing was read before.
+
+An archive of thousands of small arrays costs :func:`pytreeio.npy.read_npz`
+a walk per member: its central record, local header, name and ``.npy`` header
+are each parsed and checked.  Those bytes are a pure function of the names,
+shapes and dtypes, which a training run keeps from save to save.  So after a
+successful read of an archive of plain stored members, :func:`learn` records
+its *skeleton* (:class:`pytreeio.skeleton.Skeleton`): every byte except
+
+* each array's data (after its ``.npy`` header), and
+* each member's CRC-32 fields, in its local header (offset 14, which the
+  reader never consults: the central directory's value is the one checked)
+  and in its central record (offset 16),
+
+and per member where its bytes and its array lie.  :func:`replay` accepts a
+buffer of the same length whose skeleton bytes are all equal, hashes every
+member's bytes and compares each CRC-32 with its central record's (as the
+reader does), and builds the arrays from the recorded headers.  Any
+difference (one skeleton byte, one CRC) returns None and the reader parses
+the buffer, reporting whatever is wrong; so replay accepts exactly the
+buffers the reader accepts, and returns the same arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import crc as _crc
+from .skeleton import Shelf, Skeleton
+
+if TYPE_CHECKING:
+    from .npy import NpyHeader
+    from .zip import ZipMember
+
+__all__ = ["Plan", "learn", "replay", "worth_learning"]
+
+#: Archives with fewer members read fast enough: no plan.
+MIN_MEMBERS = 32
+#: Plans kept at most (the most recently learnt first; one per archive length).
+MAX_PLANS = 4
+
+#: Offsets of the CRC-32 field in a local header and in a central record.
+_LOCAL_CRC, _CENTRAL_CRC = 14, 16
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A learnt archive: its skeleton, and per member where its bytes and its array lie."""
+
+    skeleton: Skeleton
+    spans: tuple[tuple[int, int], ...]  # each member's bytes, [start, stop): what its CRC covers
+    crc_at: np.ndarray  # offsets of the central records' CRC-32 bytes, 4 per member, in order
+    arrays: tuple[tuple[str, NpyHeader, int], ...]  # (name, header, offset of the data)
+
+
+_PLANS: Shelf[Plan] = Shelf(MAX_PLANS)
+
+
+def replay(view: memoryview, *, verify_crc: bool = True) -> dict[str, np.ndarray] | None:
+    """What ``read_npz`` returns for ``view`` when a plan's skeleton matches it, else None."""
+    plan = _PLANS.find(view)
+    if plan is None:
+        return None
+    if verify_crc:
+        stored = np.frombuffer(view, dtype=np.uint8)[plan.crc_at].view("<u4")
+        found = np.array(_crc.crc32_spans(view, plan.spans), dtype=np.uint32)
+        if not np.array_equal(stored, found):
+            return None  # the reader names the member
+    from .npy import _array_at
+
+    return {name: _array_at(h, view, at) for name, h, at in plan.arrays}
+
+
+def worth_learning(view: memoryview, members: int) -> bool:
+    """Whether to learn a read of ``view`` of ``members`` members: from the second read of an
+    archive of its length on (a one-off load pays nothing for a plan)."""
+    return members >= MIN_MEMBERS and _PLANS.seen_before(view.nbytes)
+
+
+def learn(
+    view: memoryview,
+    members: Sequence[ZipMember],
+    names: Sequence[str],
+    headers: Sequence[NpyHeader | None],
+    central_at: Sequence[int] | None,
+) -> None:
+    """Record a successful read of ``view``: its stored ``members`` (in archive order), their
+    array ``names``, each member's ``.npy`` header (None: not learnt) and the offset of each
+    member's central record (None: not learnt)."""
+    if central_at is None or len(central_at) != len(members) or not members:
+        return
+    arrays: list[tuple[str, NpyHeader, int]] = []
+    for m, name, h in zip(members, names, headers):
+        if h is None or m.method != 0 or h.data_offset + h.nbytes != m.size:
+            return
+        arrays.append((name, h, m.data_offset + h.data_offset))
+    local = np.array([m.header_offset for m in members], dtype=np.int64) + _LOCAL_CRC
+    begin = np.array([m.data_offset for m in members], dtype=np.int64)
+    end = begin + np.array([m.size for m in members], dtype=np.int64)
+    data_at = np.array([at for _, _, at in arrays], dtype=np.int64)
+    central = np.asarray(central_at, dtype=np.int64) + _CENTRAL_CRC
+    # per member its local CRC field then its array's data; then the central CRC fields
+    starts = np.concatenate((np.column_stack((local, data_at)).ravel(), central))
+    stops = np.concatenate((np.column_stack((local + 4, end)).ravel(), central + 4))
+    skeleton = Skeleton.of(np.frombuffer(view, dtype=np.uint8), starts, stops)
+    if skeleton is None:
+        return
+    spans = tuple(zip(begin.tolist(), end.tolist()))
+    crc_at = (central[:, None] + np.arange(4)).ravel()
+    _PLANS.keep(Plan(skeleton, spans, crc_at, tuple(arrays)))
