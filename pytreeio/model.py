@@ -46,6 +46,8 @@ possibly made of ``jax.ShapeDtypeStruct`` leaves (``jax.eval_shape``).
 from __future__ import annotations
 
 import functools
+import io
+import pickle
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -117,6 +119,11 @@ class LayerSpec:
     @functools.cached_property
     def arg_set(self) -> frozenset[str]:
         return frozenset(self.arg_names)
+
+    @functools.cached_property
+    def required(self) -> tuple[str, ...]:
+        """The args without a default."""
+        return tuple(k for k, d in self.args if d is REQUIRED)
 
 
 LAYERS: dict[str, LayerSpec] = {
@@ -374,6 +381,79 @@ def normalize_layers(
             expected=len(arrays),
             found=len(entries),
         )
+    # The layers follow from the entries and the arrays' names and shapes alone: a model of a
+    # structure worked out before (every save and load of a training run) is built directly.
+    key = _layout_key(entries, arrays)
+    layout = _LAYOUTS.get(key) if key is not None else None
+    if layout is not None:
+        return [
+            checked_layer(ltype, dict(args), {k: arrs[k] for k in names}, trainable)
+            for (ltype, args, trainable, names), arrs in zip(layout, arrays)
+        ]
+    out = _normalized(entries, arrays)
+    if key is not None and all(
+        type(v) in _PLAIN_ARG_VALUES for layer in out for v in layer.args.values()
+    ):  # kept args are shared by later models: immutable values only
+        if len(_LAYOUTS) >= _LAYOUTS_MAX:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = [
+            (layer.type, dict(layer.args), layer.trainable, tuple(layer.arrays)) for layer in out
+        ]
+    return out
+
+
+#: Layouts worked out before: (entries pickled, per layer its arrays' (name, shape)) ->
+#: per layer (type, args, trainable, array names).  Only successes are kept; a few suffice.
+_LAYOUTS: dict[tuple[Any, ...], list[tuple[str, dict[str, Any], bool, tuple[str, ...]]]] = {}
+_LAYOUTS_MAX = 8
+_PLAIN_ARG_VALUES = frozenset({int, float, bool, str, type(None)})
+
+
+class _NotPlain(Exception):
+    pass
+
+
+class _PlainPickler(pickle.Pickler):
+    """Pickles plain data only: exact dicts, lists, tuples, strs, numbers, bools and None.
+
+    The C pickler handles those itself and asks ``reducer_override`` about anything
+    else (subclasses included), which refuses: equal pickles then mean equal values
+    of the same types (``True`` is not ``1``, a tuple not a list).
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        raise _NotPlain
+
+
+def _layout_key(
+    entries: Sequence[Any] | None, arrays: Sequence[Mapping[str, Any]]
+) -> tuple[Any, ...] | None:
+    """What :func:`normalize_layers` depends on, hashable; None when not plain data."""
+    try:
+        shapes = tuple(tuple([(k, _shape(a)) for k, a in arrs.items()]) for arrs in arrays)
+    except (AttributeError, TypeError, ValueError):  # not arrays: the checks say so
+        return None
+    if entries is None:
+        return None, shapes
+    pickled = plain_key(entries)
+    return None if pickled is None else (pickled, shapes)
+
+
+def plain_key(value: Any) -> bytes | None:
+    """Bytes equal for two values exactly when they are equal plain data of the same types
+    (nested exact dicts, lists, tuples, strs, numbers, bools, None); None for anything else.
+
+    For memos of work that is a pure function of such a value (a layer list, a document).
+    """
+    buf = io.BytesIO()
+    try:
+        _PlainPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    except (_NotPlain, pickle.PicklingError, RecursionError, TypeError, ValueError):
+        return None
+    return buf.getvalue()
+
+
+def _normalized(entries: Sequence[Any] | None, arrays: Sequence[Mapping[str, Any]]) -> list[Layer]:
     out = []
     # A layer's args and checks follow from its type, given args and array shapes alone: layers
     # alike in all three (the blocks of most models) are worked out once per call.
@@ -398,11 +478,13 @@ def normalize_layers(
             if key is not None:
                 settled[key] = args
         ordered = {k: arrs[k] for k in LAYERS[ltype].arrays if k in arrs}
-        out.append(_new_layer(ltype, dict(args), ordered, trainable))
+        out.append(checked_layer(ltype, dict(args), ordered, trainable))
     return out
 
 
-def _new_layer(ltype: str, args: dict[str, Any], arrays: dict[str, Any], trainable: bool) -> Layer:
+def checked_layer(
+    ltype: str, args: dict[str, Any], arrays: dict[str, Any], trainable: bool = True
+) -> Layer:
     """``Layer(ltype, args, arrays, trainable)`` of values already checked, built directly.
 
     A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``;
@@ -537,8 +619,9 @@ class Model:
         """
         entries = layer_list(layers) if layers is not None else None
         if entries is None:
-            entries = _infer_entries(arrays)
-        per_layer: list[dict[str, Any]] = []
+            entries, per_layer = _inferred_layers(arrays)
+            return cls(tuple(normalize_layers(entries, per_layer)))
+        per_layer = []
         pos = 0
         for i, entry in enumerate(entries):
             ltype, args, _ = entry_parts(entry, i)
@@ -563,7 +646,6 @@ class Model:
         params_like, stats_like, variables = _split_flax_or_raise(like)
         types = [layer.type for layer in self.layers]
         index = _flax_index(list(params_like), types, module_likes=params_like, stats=stats_like)
-        used: set[tuple[int, str]] = set()
 
         def take(i: int, key: str, path: tuple[str, ...], like_leaf: Any) -> Any:
             layer = self.layers[i] if i < len(self.layers) else None
@@ -574,9 +656,11 @@ class Model:
                     expected=describe_leaf(like_leaf),
                     found="nothing",
                 )
-            used.add((i, key))
             return restore(layer.arrays[key], like_leaf, path=path)
 
+        # Arrays taken: module names map to distinct layers (``_flax_index``) and a module's
+        # leaf names are distinct, so no array is counted twice.
+        taken = 0
         out_params: dict[str, Any] = {}
         out_stats: dict[str, Any] = {}
         for name, module in params_like.items():
@@ -600,17 +684,32 @@ class Model:
                     and a.shape == v.shape
                     and a.dtype == v.dtype
                 ):
-                    used.add((i, k))
                     restored[k] = a
                 else:
                     restored[k] = take(i, k, ("params", name, k), v)
             out_params[name] = restored
+            taken += len(restored)
             if name in stats_like:
                 st = stats_like[name]
                 _check_leaf_names(name, st, spec.stats, "batch_stats")
                 out_stats[name] = {
                     k: take(i, k, ("batch_stats", name, k), v) for k, v in st.items()
                 }
+                taken += len(st)
+        if taken != sum(len(layer.arrays) for layer in self.layers):
+            self._refuse_untaken(out_params, out_stats, index)
+        if variables:
+            result: dict[str, Any] = {"params": out_params}
+            if isinstance(like, Mapping) and "batch_stats" in like:
+                result["batch_stats"] = out_stats
+            return result
+        return out_params
+
+    def _refuse_untaken(
+        self, params: Mapping[str, Any], stats: Mapping[str, Any], index: Mapping[str, int]
+    ) -> None:
+        """Refuse arrays of the file that ``to_flax`` took no place for, unless a partial load."""
+        used = {(index[name], k) for part in (params, stats) for name, m in part.items() for k in m}
         left = sorted(
             f"layers[{i}].{k}"
             for i, layer in enumerate(self.layers)
@@ -626,12 +725,6 @@ class Model:
             raise MismatchError(
                 f"the file has arrays that `like` lacks: {left[:10]}{hint}", key_path=""
             )
-        if variables:
-            result: dict[str, Any] = {"params": out_params}
-            if isinstance(like, Mapping) and "batch_stats" in like:
-                result["batch_stats"] = out_stats
-            return result
-        return out_params
 
     def param_paths(self, params_like: Any) -> list[tuple[str, ...]]:
         """Key paths (into ``params_like``'s params tree) of :attr:`params`, in parameter order."""
@@ -651,21 +744,27 @@ class Model:
         return out
 
 
-def _infer_entries(arrays: Sequence[Any]) -> list[Any]:
-    """Layer entries read off a parameter list's shapes (see :meth:`Model.from_params`)."""
-    out: list[Any] = []
+def _inferred_layers(arrays: Sequence[Any]) -> tuple[list[Any], list[dict[str, Any]]]:
+    """Layer entries read off a parameter list's shapes (see :meth:`Model.from_params`), and
+    each layer's arrays by name."""
+    entries: list[Any] = []
+    per_layer: list[dict[str, Any]] = []
     i = 0
     while i < len(arrays):
         shape = _shape(arrays[i])
         nxt = _shape(arrays[i + 1]) if i + 1 < len(arrays) else None
         if len(shape) in (2, 4):
             has_bias = nxt == (shape[-1],)
-            out.append(
+            entries.append(
                 {"type": "Linear" if len(shape) == 2 else "Conv2d", "args": {"bias": has_bias}}
+            )
+            layer = (
+                {"kernel": arrays[i], "bias": arrays[i + 1]} if has_bias else {"kernel": arrays[i]}
             )
             i += 2 if has_bias else 1
         elif len(shape) == 1 and nxt == shape:
-            out.append("BatchNorm2d")
+            entries.append("BatchNorm2d")
+            layer = {"scale": arrays[i], "bias": arrays[i + 1]}
             i += 2
         else:
             raise MismatchError(
@@ -673,7 +772,8 @@ def _infer_entries(arrays: Sequence[Any]) -> list[Any]:
                 "pass layers=[...]",
                 key_path=f"[{i}]",
             )
-    return out
+        per_layer.append(layer)
+    return entries, per_layer
 
 
 # --------------------------------------------------------------------------

@@ -240,3 +240,67 @@ def test_alike_layers_are_settled_once_but_equal_looking_args_are_not_shared() -
             ["Linear", "Linear", "Linear"],
             [{"kernel": k, "bias": b}, {"kernel": k, "bias": b}, {"kernel": k, "bias": b[:2]}],
         )
+
+
+# --------------------------------------------------------------------------
+# layouts worked out before are built directly, and only for the same plain structure
+# --------------------------------------------------------------------------
+
+
+def _counted_normalize(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    monkeypatch.setattr(M, "_LAYOUTS", {})
+    calls: list[int] = []
+    original = M._normalized
+    monkeypatch.setattr(M, "_normalized", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
+def _linear(n: int = 3, bias: object = True) -> tuple[list, list]:
+    entries = [{"type": "Linear", "args": {"bias": bias}}, "ReLU"] * n
+    arrays = [
+        {"kernel": np.ones((2, 3), np.float32), "bias": np.zeros(3, np.float32)}
+        if i % 2 == 0
+        else {}
+        for i in range(2 * n)
+    ]
+    return entries, arrays
+
+
+def test_a_layout_worked_out_before_is_built_directly(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _counted_normalize(monkeypatch)
+    entries, arrays = _linear()
+    first = M.normalize_layers(entries, arrays)
+    _, other = _linear()
+    again = M.normalize_layers(entries, other)
+    assert calls == [1]
+    assert [(la.type, dict(la.args), la.trainable) for la in again] == [
+        (la.type, dict(la.args), la.trainable) for la in first
+    ]
+    assert all(
+        a is b for la, arrs in zip(again, other) for a, b in zip(la.arrays.values(), arrs.values())
+    )
+    again[0].args["in_features"] = 99  # a caller's change reaches no later model
+    assert M.normalize_layers(entries, arrays)[0].args["in_features"] == 2
+    assert M.normalize_layers(entries, arrays)[0] == first[0]
+
+
+def test_equal_but_different_entries_are_worked_out_on_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = _counted_normalize(monkeypatch)
+    entries, arrays = _linear(bias=True)
+    M.normalize_layers(entries, arrays)
+    with pytest.raises(MismatchError, match="bias must be true or false"):
+        M.normalize_layers(_linear(bias=1)[0], arrays)  # 1 == True, but not a bool
+
+    class Entry(dict):  # a dict subclass: never taken for a plain dict
+        pass
+
+    subclassed = [Entry(e) if isinstance(e, dict) else e for e in entries]
+    assert M.normalize_layers(subclassed, arrays) == M.normalize_layers(entries, arrays)
+    assert len(calls) == 3 and len(M._LAYOUTS) == 1
+    # the same entries over arrays of another shape are checked again
+    _, wrong = _linear()
+    wrong[2]["bias"] = np.zeros(4, np.float32)
+    with pytest.raises(MismatchError, match="layer 2"):
+        M.normalize_layers(entries, wrong)

@@ -89,6 +89,8 @@ _COMMON_NAMES = {t: {v: k for k, v in names.items()} for t, names in NAMES.items
 def layer_to_common(ltype: str, arrays: Mapping[str, Any], where: str) -> dict[str, Any]:
     """One layer's netcl-named arrays under common-form names and orientation."""
     names = _COMMON_NAMES.get(ltype, {})
+    if arrays.keys() <= names.keys():
+        return {names[k]: to_common(a) for k, a in arrays.items()}
     unknown = sorted(k for k in arrays if k not in names)
     if unknown:
         raise MismatchError(f"unexpected array(s) {unknown} for a {ltype} layer", key_path=where)
