@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # not at run time: the module cannot be imported once the int
 
 __all__ = [
     "crc32",
+    "raw_crc32",
     "combine",
     "crc32_many",
     "crc32_spans",
@@ -59,6 +60,12 @@ def _backend() -> tuple[Callable[..., int], Callable[[int, int, int], int]]:
 def crc32(data: Buffer, value: int = 0) -> int:
     """CRC-32 of ``data`` continuing from ``value`` (as ``zlib.crc32``), on this thread."""
     return _backend()[0](as_memoryview(data), value)
+
+
+def raw_crc32() -> Callable[[Buffer, int], int]:
+    """The CRC-32 function :func:`crc32` calls (``f(flat byte buffer, start)``), for loops
+    over many small buffers that are byte views already."""
+    return _backend()[0]
 
 
 def combine(crc1: int, crc2: int, len2: int) -> int:

@@ -51,7 +51,7 @@ from . import npz_plans
 from . import zip as _zip
 from .binary import Buffer, BufferSource, ByteSource, Reader, Writer, as_memoryview, check_shape
 from .errors import EncodeError, FormatError
-from .registry import Slot, Streamed
+from .registry import Deferred, Slot, Streamed
 
 # Transitional re-exports: the ZIP container moved to pytreeio.zip; use it directly.
 from .zip import ZipMember, check_member_name, member_data, read_zip_directory
@@ -575,25 +575,58 @@ def encode_npz(items: Iterable[tuple[str, Any]], *, overlap: bool = False) -> li
 
     Byte-identical to ``np.savez(file, **dict(items))`` on a seekable file
     (Python's ``zipfile``, numpy's ``force_zip64=True``, fixed 1980 timestamp).
-    Array data is referenced, not copied.  Each member's CRC-32 is computed
+    Array data is referenced, not copied, except in an archive of small arrays
+    laid out as one written twice before (:mod:`pytreeio.npz_plans`), which
+    is one buffer: a copy of that archive with these arrays' bytes and
+    CRC-32s in place, cheaper than a chunk per array.  Each member's CRC-32 is computed
     here, or with ``overlap`` (for :mod:`pytreeio.io` writes) while large
     members are written (:func:`pytreeio.zip.encode_stored`).
     """
 
-    def members() -> Iterable[tuple[str, list[Any]]]:
-        for key, value in items:
-            try:
-                chunks = encode_npy(value)
-            except EncodeError as exc:
-                raise EncodeError(exc.reason, key_path=key) from None
-            yield f"{key}.npy", chunks
-
+    members: list[tuple[str, list[Any]]] = []
+    for key, value in items:
+        try:
+            chunks = encode_npy(value)
+        except EncodeError as exc:
+            raise EncodeError(exc.reason, key_path=key) from None
+        members.append((f"{key}.npy", chunks))
+    # An archive of small arrays laid out as one written before (a training run's every
+    # save): one copy of that archive with these arrays' bytes and CRC-32s in place.
+    plain = _plain_members(members)
+    if plain is not None:
+        planned = npz_plans.planned_write(*plain)
+        if planned is not None:
+            return [planned]
     try:
-        return _zip.encode_stored(members(), overlap=overlap)
+        out = _zip.encode_stored(members, overlap=overlap)
     except EncodeError as exc:
-        key = (
+        where = (
             exc.key_path[: -len(".npy")]
             if exc.key_path and exc.key_path.endswith(".npy")
             else exc.key_path
         )
-        raise EncodeError(exc.reason.replace("member name", "array name"), key_path=key) from None
+        raise EncodeError(exc.reason.replace("member name", "array name"), key_path=where) from None
+    if plain is not None and npz_plans.worth_planning(plain[0]):
+        npz_plans.learn_write(*plain, b"".join(bytes(c) for c in out))
+    return out
+
+
+def _plain_members(
+    members: Sequence[tuple[str, list[Any]]],
+) -> tuple[npz_plans.Signature, list[memoryview]] | None:
+    """``(name, .npy header, data size)`` of each member and its data as a byte view, where
+    every member is a header and at most one plain buffer; else None."""
+    signature: list[tuple[str, bytes, int]] = []
+    data: list[memoryview] = []
+    for name, chunks in members:
+        if len(chunks) > 2 or type(chunks[0]) is not bytes:
+            return None
+        if len(chunks) == 1:
+            view = memoryview(b"")
+        elif isinstance(chunks[1], Deferred):
+            return None
+        else:
+            view = chunks[1] if type(chunks[1]) is memoryview else as_memoryview(chunks[1])
+        signature.append((name, chunks[0], view.nbytes))
+        data.append(view)
+    return tuple(signature), data

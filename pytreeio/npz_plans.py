@@ -30,13 +30,23 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import crc as _crc
+from .binary import Buffer
 from .skeleton import Shelf, Skeleton
 
 if TYPE_CHECKING:
     from .npy import NpyHeader
     from .zip import ZipMember
 
-__all__ = ["Plan", "learn", "replay", "worth_learning"]
+__all__ = [
+    "Plan",
+    "WritePlan",
+    "learn",
+    "learn_write",
+    "planned_write",
+    "replay",
+    "worth_learning",
+    "worth_planning",
+]
 
 #: Archives with fewer members read fast enough: no plan.
 MIN_MEMBERS = 32
@@ -112,3 +122,97 @@ def learn(
     spans = tuple(zip(begin.tolist(), end.tolist()))
     crc_at = (central[:, None] + np.arange(4)).ravel()
     _PLANS.keep(Plan(skeleton, spans, crc_at, tuple(arrays)))
+
+
+# --------------------------------------------------------------------------
+# writing: the same archive layout with other data
+# --------------------------------------------------------------------------
+
+#: Archives whose members average at most this many bytes are written through a plan: the
+#: archive is then built as one copy, which for small arrays costs less than a chunk each
+#: (a large array's bytes are better referenced than copied).
+MAX_PLANNED_MEAN = 4096
+#: Archives of at most this many bytes are written through a plan.  A plan keeps a copy of
+#: the archive (at most :data:`MAX_PLANS` of them are kept), and a save through it makes one.
+MAX_PLANNED_ARCHIVE = 4 << 20
+
+#: One member of an archive to write: (member name, its ``.npy`` header, its data's size).
+Signature = tuple[tuple[str, bytes, int], ...]
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """An archive written before: its bytes, and where each member's data and CRC-32s go."""
+
+    signature: Signature
+    template: bytes  # the archive as written, data and CRCs included (overwritten each time)
+    data_at: tuple[int, ...]  # where each member's array data starts
+    header_crcs: tuple[int, ...]  # the CRC-32 of each member's .npy header, continued by its data
+    crc_index: np.ndarray  # (2 * members, 4): each member's local then central CRC-32 bytes
+
+    def encode(self, data: Sequence[Buffer]) -> bytearray:
+        """The archive with these arrays' bytes (in member order) in place of the template's."""
+        out = bytearray(self.template)
+        hash_ = _crc.raw_crc32()  # continues from a start value: header + data in one call
+        crcs = []
+        for at, start, d in zip(self.data_at, self.header_crcs, data):
+            out[at : at + len(d)] = d
+            crcs.append(hash_(d, start))
+        values = np.array(crcs, dtype="<u4").view(np.uint8).reshape(-1, 4)
+        np.frombuffer(out, dtype=np.uint8)[self.crc_index] = np.repeat(values, 2, axis=0)
+        return out
+
+
+_WRITE_PLANS: dict[int, WritePlan] = {}  # by member count: a run writes one structure
+_WRITTEN: dict[int, Signature] = {}  # the last signature written, by member count
+
+
+def planned_write(signature: Signature, data: Sequence[Buffer]) -> bytearray | None:
+    """The archive of these members from the plan for ``signature``, or None (none yet)."""
+    plan = _WRITE_PLANS.get(len(signature))
+    if plan is None or plan.signature != signature:
+        return None
+    return plan.encode(data)
+
+
+def worth_planning(signature: Signature) -> bool:
+    """Whether to plan an archive of ``signature`` once written: the second time in a row one
+    is written (a one-off save pays nothing for a plan)."""
+    n = len(signature)
+    total = sum(len(h) + size for _, h, size in signature)
+    if n < MIN_MEMBERS or total > min(n * MAX_PLANNED_MEAN, MAX_PLANNED_ARCHIVE):
+        return False
+    seen = _WRITTEN.get(n) == signature
+    if len(_WRITTEN) >= 4 * MAX_PLANS and n not in _WRITTEN:
+        _WRITTEN.clear()
+    _WRITTEN[n] = signature
+    return seen
+
+
+def learn_write(signature: Signature, data: Sequence[Buffer], written: bytes) -> None:
+    """Record ``written``, the archive of ``signature`` with ``data``, as a plan (if it replays)."""
+    if len(written) > MAX_PLANNED_ARCHIVE:
+        return
+    from .binary import BufferSource
+    from .zip import central_offsets, read_zip_directory
+
+    source = BufferSource(written)
+    members = read_zip_directory(source)
+    central = central_offsets(source)
+    if central is None or len(members) != len(signature):
+        return
+    local = np.array([m.header_offset for m in members], dtype=np.int64) + _LOCAL_CRC
+    cent = np.array(central, dtype=np.int64) + _CENTRAL_CRC
+    starts = np.column_stack((local, cent)).ravel()  # member i's local, then central field
+    plan = WritePlan(
+        signature,
+        bytes(written),
+        tuple(m.data_offset + len(h) for m, (_, h, _) in zip(members, signature)),
+        tuple(_crc.crc32(h) for _, h, _ in signature),
+        starts[:, None] + np.arange(4),
+    )
+    if plan.encode(data) != written:  # the plan must write what the writer wrote
+        return
+    if len(_WRITE_PLANS) >= MAX_PLANS and len(signature) not in _WRITE_PLANS:
+        _WRITE_PLANS.clear()
+    _WRITE_PLANS[len(signature)] = plan

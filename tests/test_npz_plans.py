@@ -233,3 +233,94 @@ def test_mutated_archives_read_as_the_reader_reads_them(data: st.DataObject) -> 
     mutated = bytes(buf)
     for verify_crc in (True, False):
         assert _outcome(mutated, verify_crc=verify_crc) == _parsed(mutated, verify_crc=verify_crc)
+
+
+# --------------------------------------------------------------------------
+# writing through a plan: the bytes the writer writes
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_write_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(npz_plans, "_WRITE_PLANS", {})
+    monkeypatch.setattr(npz_plans, "_WRITTEN", {})
+
+
+def _written(items: list[tuple[str, Any]]) -> tuple[list[Any], bytes]:
+    chunks = npy.encode_npz(items)
+    return chunks, b"".join(bytes(c) for c in chunks)
+
+
+def _writer_bytes(items: list[tuple[str, Any]]) -> bytes:
+    """What the writer itself writes (no plan)."""
+    plans, written = npz_plans._WRITE_PLANS, npz_plans._WRITTEN
+    npz_plans._WRITE_PLANS, npz_plans._WRITTEN = {}, {}
+    try:
+        return b"".join(bytes(c) for c in npy.encode_npz(items))
+    finally:
+        npz_plans._WRITE_PLANS, npz_plans._WRITTEN = plans, written
+
+
+@pytest.mark.usefixtures("no_write_plans")
+def test_third_write_of_a_layout_goes_through_the_plan_and_writes_the_same_bytes(
+    tmp_path: Path,
+) -> None:
+    _written(_items(seed=0))
+    assert npz_plans._WRITE_PLANS == {}  # a one-off save pays nothing for a plan
+    _written(_items(seed=0))
+    assert len(npz_plans._WRITE_PLANS) == 1
+    for seed in (1, 2):
+        items = _items(seed=seed)
+        chunks, data = _written(items)
+        assert len(chunks) == 1 and isinstance(chunks[0], bytearray)  # the plan's one copy
+        assert data == _writer_bytes(items)
+        path = tmp_path / f"{seed}.npz"
+        path.write_bytes(data)
+        with np.load(path) as loaded:  # numpy reads it, CRC-32s checked by zipfile
+            for name, value in items:
+                assert np.array_equal(loaded[name], np.asarray(value))
+        import zipfile
+
+        with zipfile.ZipFile(path) as z:
+            assert z.testzip() is None
+
+
+@pytest.mark.usefixtures("no_write_plans")
+def test_another_layout_is_written_by_the_writer() -> None:
+    items = _items()
+    _written(items)
+    _written(items)
+    changes = [
+        [("q0", items[0][1]), *items[1:]],  # a name
+        [("p0", items[0][1].reshape(5, -1)), *items[1:]],  # a shape, same bytes
+        [("p0", items[0][1].astype(np.float64)), *items[1:]],  # a dtype
+        [*items, ("extra", np.ones(2, np.float32))],  # one more member
+    ]
+    for other in changes:
+        _, data = _written(other)
+        assert data == _writer_bytes(other)
+
+
+@pytest.mark.usefixtures("no_write_plans")
+def test_archives_of_large_arrays_are_not_planned() -> None:
+    items = [(f"a{i}", np.full(2048, i, np.float32)) for i in range(40)]  # 8 KiB each
+    for _ in range(3):
+        _, data = _written(items)
+    assert npz_plans._WRITE_PLANS == {}
+    assert data == _writer_bytes(items)
+
+
+@pytest.mark.usefixtures("no_write_plans")
+def test_saves_through_the_api_round_trip_through_the_plan(tmp_path: Path) -> None:
+    tree = {"params": {f"Dense_{i}": {"kernel": np.full((2, 3), i, np.float32),
+                                      "bias": np.arange(3, dtype=np.float32)} for i in range(20)}}  # fmt: skip
+    for fmt in ("netcl", "netcl-params"):
+        path = tmp_path / f"{fmt}.npz"
+        for step in range(4):
+            tree["params"]["Dense_5"]["bias"] = np.full(3, step, np.float32)
+            ptio.save(path, tree, format=fmt)
+            assert path.read_bytes() == _writer_bytes(
+                [(k, v) for k, v in npy.read_npz(path.read_bytes()).items()]
+            )
+            again = ptio.load(path, like=tree)
+            assert np.array_equal(again["params"]["Dense_5"]["bias"], np.full(3, step, np.float32))
