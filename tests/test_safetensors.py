@@ -316,3 +316,100 @@ def test_hashing_while_writing_gives_the_same_bytes(monkeypatch: pytest.MonkeyPa
     encoded = fmt_st.encode(tree, meta={"x": 1})
     assert any(isinstance(c, Deferred) and c.late for c in encoded.chunks)  # the header, last
     assert encoded.tobytes() == inline.tobytes()
+
+
+# --------------------------------------------------------------------------
+# headers read before are not parsed again; everything else about a load is
+# --------------------------------------------------------------------------
+
+
+def _nested(seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    return {
+        "params": {
+            f"Dense_{i}": {"kernel": rng.standard_normal((3, 4), dtype=np.float32),
+                           "bias": rng.standard_normal(4, dtype=np.float32)}
+            for i in range(12)
+        },
+        "step": np.int64(seed),
+    }  # fmt: skip
+
+
+def _counted_parse(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    monkeypatch.setattr(fmt_st, "_KNOWN_HEADERS", [])
+    calls: list[int] = []
+    parse = fmt_st._parse_header
+    monkeypatch.setattr(fmt_st, "_parse_header", lambda *a: calls.append(1) or parse(*a))
+    return calls
+
+
+def test_a_known_header_is_not_parsed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import assert_same_tree
+
+    calls = _counted_parse(monkeypatch)
+    first = ptio.encode(_nested(0), format="safetensors", meta={"run": 1}).tobytes()
+    second = ptio.encode(_nested(1), format="safetensors", meta={"run": 1}).tobytes()
+    a = fmt_st.decode(memoryview(bytearray(first)))
+    b = fmt_st.decode(memoryview(bytearray(second)))  # same header (same shapes), new data
+    assert calls == [1]
+    monkeypatch.setattr(fmt_st, "_KNOWN_HEADERS", [])
+    assert_same_tree(b.tree, fmt_st.decode(memoryview(bytearray(second))).tree, flags=True)
+    assert b.meta == a.meta == {"run": 1} and b.meta is not a.meta
+    b.meta["run"] = 2  # a fresh document every time
+    assert fmt_st.decode(memoryview(bytearray(second))).meta == {"run": 1}
+    assert b.tree["params"] is not a.tree["params"]
+    assert not np.array_equal(
+        a.tree["params"]["Dense_0"]["kernel"], b.tree["params"]["Dense_0"]["kernel"]
+    )
+
+
+def test_a_known_header_over_other_data_is_still_checked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    calls = _counted_parse(monkeypatch)
+    good = tmp_path / "good.safetensors"
+    ptio.save(good, _nested(), format="safetensors")
+    ptio.load(good, verify=True)
+    bad = tmp_path / "bad.safetensors"
+    data = bytearray(good.read_bytes())
+    data[-3] ^= 0xFF  # data only: the header is the known one
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ptio.FormatError, match="data corrupted") as caught:
+        ptio.load(bad, verify=True)
+    assert caught.value.path == str(bad)  # the file at hand, not the one the header came from
+    assert calls == [1]
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(bytes(data[:-4]))  # another length: parsed, and refused
+    with pytest.raises(ptio.FormatError):
+        ptio.load(short)
+    assert calls == [1, 1]
+
+
+def test_changes_in_the_checksum_string_read_as_a_full_parse_reads_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _counted_parse(monkeypatch)
+    data = ptio.encode(_nested(), format="safetensors").tobytes()
+    fmt_st.decode(memoryview(bytearray(data)))
+    known = fmt_st._KNOWN_HEADERS[0]
+    assert known.sums is not None  # compared around the checksums
+    b, e = known.sums
+    rng = np.random.default_rng(0)
+
+    def outcome(raw: bytes) -> Any:
+        try:
+            d = fmt_st.decode(memoryview(bytearray(raw)), verify=True)
+        except ptio.PytreeioError as exc:
+            return type(exc), str(exc)
+        return sorted((k, v.tobytes()) for k, v in ptio.flatten(d.tree).items()), d.meta
+
+    for _ in range(60):
+        bad = bytearray(data)
+        for _ in range(int(rng.integers(1, 3))):
+            bad[8 + int(rng.integers(b, e))] = int(
+                rng.choice([0x22, 0x5C, 0x75, 0x3A, 0x30, 0xC3, 0x7F])
+            )
+        got = outcome(bytes(bad))
+        monkeypatch.setattr(fmt_st, "_KNOWN_HEADERS", [])
+        assert got == outcome(bytes(bad))  # what the full parse says
+        fmt_st.decode(memoryview(bytearray(data)))  # known again for the next round

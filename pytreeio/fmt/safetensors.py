@@ -56,6 +56,7 @@ import functools
 import json
 import keyword
 import math
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -444,18 +445,24 @@ def _streamed_encoding(
 # --------------------------------------------------------------------------
 
 
+#: A header's tensors: name -> (dtype, shape, data start, data end).
+_Entries = dict[str, tuple[np.dtype[Any], tuple[int, ...], int, int]]
+
+
 class _Header:
     def __init__(
         self,
         n: int,
-        entries: dict[str, tuple[np.dtype[Any], tuple[int, ...], int, int]],
+        entries: _Entries,
         metadata: dict[str, str],
         source: str | None,
+        known: _KnownHeader | None = None,
     ) -> None:
         self.n = n
         self.entries = entries
         self.metadata = metadata
         self.source = source
+        self.known = known
 
 
 def _check_header_length(n: int, total: int, r: Reader) -> None:
@@ -544,9 +551,123 @@ def _read_header(r: Reader, total: int) -> _Header:
     raw = r.bytes(n, "header")
     if n == 0 or raw[0] != ord("{"):
         raise r.error("header is not a JSON object", "header", 8)
+    # A header is a pure function of its bytes and the file's length: one read before (a
+    # training run loads the same structure again and again) is not parsed again.
+    found = _known_header(raw, n, total)
+    if found is not None:
+        return _Header(n, found[0].entries, found[1], r.source, found[0])
+    entries, metadata = _parse_header(r, raw, n, total)
+    return _Header(n, entries, metadata, r.source, _KnownHeader.of(raw, total, entries, metadata))
+
+
+class _KnownHeader:
+    """A header read before: its bytes, checked entries and metadata, and its tree's nesting.
+
+    The checksums pytreeio records (``pytreeio.xxh3_64``) change with the data, so
+    the header bytes are compared outside that one string; inside it, any plain
+    ASCII JSON string (no ``\\u`` escapes) is what the full parse would take.
+    """
+
+    __slots__ = ("entries", "metadata", "nesting", "prefix", "raw", "suffix", "sums", "total")
+
+    def __init__(
+        self,
+        raw: bytes,
+        total: int,
+        entries: _Entries,
+        metadata: dict[str, str],
+        sums: tuple[int, int] | None,
+    ) -> None:
+        self.raw, self.total, self.sums = raw, total, sums
+        self.prefix, self.suffix = (raw[: sums[0]], raw[sums[1] :]) if sums else (b"", b"")
+        self.entries = entries
+        self.metadata = metadata
+        # the plain nesting's dicts with each array's tensor name in its place (see decode)
+        self.nesting: dict[str, Any] | None = None
+
+    @classmethod
+    def of(
+        cls, view: memoryview, total: int, entries: _Entries, metadata: dict[str, str]
+    ) -> _KnownHeader | None:
+        """The header, kept (up to :data:`_KNOWN_HEADERS_MAX`); None if too large to keep."""
+        if len(view) > _KNOWN_HEADER_BYTES:
+            return None
+        raw = bytes(view)
+        sums = _string_span(raw, _SUM_MARKER)
+        if sums is not None and _plain_string(raw[sums[0] : sums[1]]) != metadata.get(_SUM_KEY):
+            sums = None  # compared whole instead
+        known = cls(raw, total, entries, metadata, sums)
+        with _KNOWN_LOCK:
+            global _KNOWN_HEADERS
+            _KNOWN_HEADERS = [known, *_KNOWN_HEADERS][:_KNOWN_HEADERS_MAX]
+        return known
+
+
+#: Headers read before, the most recent first; headers up to this size are kept.
+_KNOWN_HEADERS: list[_KnownHeader] = []
+_KNOWN_HEADERS_MAX = 4
+_KNOWN_HEADER_BYTES = 1 << 20
+_KNOWN_LOCK = threading.Lock()
+_SUM_MARKER = b'"' + _SUM_KEY.encode() + b'":'
+
+
+def _known_header(
+    raw: memoryview, n: int, total: int
+) -> tuple[_KnownHeader, dict[str, str]] | None:
+    """The header read before that ``raw`` is, and its metadata (checksums as ``raw`` has them)."""
+    for known in _KNOWN_HEADERS:  # read once: .of() replaces the list
+        if known.total != total or len(known.raw) != n:
+            continue
+        # bytes, not memoryviews, are compared: memoryview equality goes item by item
+        if known.sums is None:
+            if bytes(raw) == known.raw:
+                return known, known.metadata
+            continue
+        b, e = known.sums
+        if bytes(raw[:b]) == known.prefix and bytes(raw[e:]) == known.suffix:
+            text = _plain_string(raw[b:e])
+            if text is not None:
+                return known, {**known.metadata, _SUM_KEY: text}
+    return None
+
+
+def _string_span(raw: bytes, marker: bytes) -> tuple[int, int] | None:
+    """``[start, stop)`` of the JSON string literal after the one ``marker`` in ``raw``."""
+    at = raw.find(marker)
+    if at < 0 or raw.find(marker, at + 1) >= 0:
+        return None
+    start = at + len(marker)
+    if raw[start : start + 1] != b'"':
+        return None
+    pos = start + 1
+    while (end := raw.find(b'"', pos)) >= 0:
+        backslashes = len(raw[:end]) - len(raw[:end].rstrip(b"\\"))
+        if backslashes % 2 == 0:
+            return start, end + 1
+        pos = end + 1
+    return None
+
+
+def _plain_string(literal: bytes | memoryview) -> str | None:
+    """The value of a JSON string literal of printable ASCII without ``\\u`` escapes, else None
+    (what both the strict and the fast parser read alike)."""
+    data = bytes(literal)
+    if not data.isascii() or b"\\u" in data or not data.decode("ascii").isprintable():
+        return None
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return None
+    return value if type(value) is str else None
+
+
+def _parse_header(
+    r: Reader, raw: memoryview, n: int, total: int
+) -> tuple[_Entries, dict[str, str]]:
+    """The header's entries and metadata, every field checked (errors located)."""
     fast = _fast_header(raw, n, total)
     if fast is not None:
-        return _Header(n, fast[0], fast[1], r.source)
+        return fast
     bounds: dict[str, Any] = {
         "path": r.source,
         "field": "header",
@@ -575,7 +696,7 @@ def _read_header(r: Reader, total: int) -> _Header:
         order = np.lexsort((spans[:, 1], spans[:, 0]))
         begins, ends = spans[order, 0], spans[order, 1]
         if begins[0] == 0 and ends[-1] == data_len and np.array_equal(begins[1:], ends[:-1]):
-            return _Header(n, entries, metadata, r.source)
+            return entries, metadata
     pos = 0
     for name, (_, _, b, e) in sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
         if b != pos:
@@ -590,7 +711,7 @@ def _read_header(r: Reader, total: int) -> _Header:
         raise r.error(
             f"{data_len - pos} data bytes are not covered by any tensor", "data", 8 + n + pos
         )
-    return _Header(n, entries, metadata, r.source)
+    return entries, metadata
 
 
 def _plain_json(text: bytes | memoryview | str, total: int) -> Any:
@@ -1080,8 +1201,13 @@ def decode(buffer: Any, *, verify: bool = False) -> Decoded:
             f"unsupported pytreeio layout version {md.get(_VERSION_KEY)!r:.40}", _VERSION_KEY, 8
         )
     meta = _user_meta(header, total)
+    known = header.known
+    if known is not None and known.nesting is not None:  # this header's nesting, built before
+        return Decoded(_filled(known.nesting, arrays), meta)
     tree = _plain_nesting(md[_TREE_KEY], arrays)
     if tree is not None:
+        if known is not None:
+            known.nesting = _named(tree, {id(a): name for name, a in arrays.items()})
         return Decoded(tree, meta)
     rebuilder = _Rebuilder(arrays, r)
     tree = rebuilder.build(header, total)
@@ -1089,6 +1215,16 @@ def decode(buffer: Any, *, verify: bool = False) -> Decoded:
     if unused:
         raise r.error(f"tensors not referenced by the tree structure: {unused[:5]}", _TREE_KEY, 8)
     return Decoded(tree, meta)
+
+
+def _named(tree: dict[str, Any], names: dict[int, str]) -> dict[str, Any]:
+    """``tree`` (plain nesting: dicts of arrays) with each array's tensor name in its place."""
+    return {k: _named(v, names) if type(v) is dict else names[id(v)] for k, v in tree.items()}
+
+
+def _filled(nesting: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The tree :func:`_named` describes, with these arrays."""
+    return {k: arrays[v] if type(v) is str else _filled(v, arrays) for k, v in nesting.items()}
 
 
 def _plain_nesting(text: str, arrays: dict[str, np.ndarray]) -> dict[str, Any] | None:
