@@ -46,8 +46,6 @@ possibly made of ``jax.ShapeDtypeStruct`` leaves (``jax.eval_shape``).
 from __future__ import annotations
 
 import functools
-import io
-import pickle
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -56,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ConversionError, MismatchError
+from .plainkey import plain_key
 from .tree import allows_extra, describe_leaf, restore
 
 __all__ = [
@@ -409,22 +408,6 @@ _LAYOUTS_MAX = 8
 _PLAIN_ARG_VALUES = frozenset({int, float, bool, str, type(None)})
 
 
-class _NotPlain(Exception):
-    pass
-
-
-class _PlainPickler(pickle.Pickler):
-    """Pickles plain data only: exact dicts, lists, tuples, strs, numbers, bools and None.
-
-    The C pickler handles those itself and asks ``reducer_override`` about anything
-    else (subclasses included), which refuses: equal pickles then mean equal values
-    of the same types (``True`` is not ``1``, a tuple not a list).
-    """
-
-    def reducer_override(self, obj: Any) -> Any:
-        raise _NotPlain
-
-
 def _layout_key(
     entries: Sequence[Any] | None, arrays: Sequence[Mapping[str, Any]]
 ) -> tuple[Any, ...] | None:
@@ -437,20 +420,6 @@ def _layout_key(
         return None, shapes
     pickled = plain_key(entries)
     return None if pickled is None else (pickled, shapes)
-
-
-def plain_key(value: Any) -> bytes | None:
-    """Bytes equal for two values exactly when they are equal plain data of the same types
-    (nested exact dicts, lists, tuples, strs, numbers, bools, None); None for anything else.
-
-    For memos of work that is a pure function of such a value (a layer list, a document).
-    """
-    buf = io.BytesIO()
-    try:
-        _PlainPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    except (_NotPlain, pickle.PicklingError, RecursionError, TypeError, ValueError):
-        return None
-    return buf.getvalue()
 
 
 def _normalized(entries: Sequence[Any] | None, arrays: Sequence[Mapping[str, Any]]) -> list[Layer]:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from .errors import EncodeError
+from .plainkey import plain_key
 
 __all__ = ["dumps", "dump_bytes", "format_float", "widen_f32", "MAX_DEPTH"]
 
@@ -178,9 +179,23 @@ def dumps(value: Any) -> str:
     strings, integers outside ``i64``/``u64``, nesting deeper than
     :data:`MAX_DEPTH`, and values with no JSON form.
     """
-    out: list[str] = []
-    _write(value, out, "", 0)
-    return "".join(out)
+    # A document written before (a training run saves the same one again and again) is not
+    # walked again: the text is a pure function of the plain value.
+    key = plain_key(value)
+    text = _WRITTEN.get(key) if key is not None else None
+    if text is None:
+        out: list[str] = []
+        _write(value, out, "", 0)
+        text = "".join(out)
+        if key is not None:
+            if len(_WRITTEN) >= 8:
+                _WRITTEN.clear()
+            _WRITTEN[key] = text
+    return text
+
+
+#: Texts written, by :func:`pytreeio.plainkey.plain_key` of their value (a few).
+_WRITTEN: dict[bytes, str] = {}
 
 
 def dump_bytes(value: Any) -> bytes:

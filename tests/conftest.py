@@ -204,3 +204,12 @@ def every_slot_streams(monkeypatch: pytest.MonkeyPatch) -> None:
     from pytreeio import conversion
 
     monkeypatch.setattr(conversion, "STREAM_MIN_BYTES", 0)
+
+
+def bytes_changed(data: bytes, draw: st.DataObject, values: list[int]) -> bytes:
+    """``data`` with one to four bytes set to one of ``values`` (or their own value ^ 1)."""
+    buf = bytearray(data)
+    for _ in range(draw.draw(st.integers(1, 4))):
+        pos = draw.draw(st.integers(0, len(buf) - 1))
+        buf[pos] = draw.draw(st.sampled_from([*values, buf[pos] ^ 1]))
+    return bytes(buf)

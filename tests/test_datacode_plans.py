@@ -15,6 +15,7 @@ from typing import Any
 import hypothesis.strategies as st
 import numpy as np
 import pytest
+from conftest import bytes_changed
 from hypothesis import given, settings
 
 from pytreeio.errors import PytreeioError
@@ -126,11 +127,7 @@ def test_a_different_skeleton_or_variant_is_read() -> None:
 def test_mutated_files_read_as_the_reader_reads_them(data: st.DataObject) -> None:
     whole = _file()
     _learnt(whole)
-    buf = bytearray(whole)
-    for _ in range(data.draw(st.integers(1, 4))):
-        pos = data.draw(st.integers(0, len(buf) - 1))
-        buf[pos] = data.draw(st.sampled_from([0, 1, 0x22, 0x7F, 0x80, 0xFF, buf[pos] ^ 1]))
-    mutated = bytes(buf)
+    mutated = bytes_changed(whole, data, [0, 1, 0x22, 0x7F, 0x80, 0xFF])
     assert _outcome(mutated) == _parsed(mutated)
 
 

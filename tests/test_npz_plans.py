@@ -19,6 +19,7 @@ from typing import Any
 import hypothesis.strategies as st
 import numpy as np
 import pytest
+from conftest import bytes_changed
 from hypothesis import given, settings
 
 import pytreeio as ptio
@@ -226,11 +227,7 @@ def test_plans_are_bounded_and_loads_through_the_api_use_them(tmp_path: Path) ->
 def test_mutated_archives_read_as_the_reader_reads_them(data: st.DataObject) -> None:
     whole = _archive(_items())
     _learnt(whole)
-    buf = bytearray(whole)
-    for _ in range(data.draw(st.integers(1, 4))):
-        pos = data.draw(st.integers(0, len(buf) - 1))
-        buf[pos] = data.draw(st.sampled_from([0, 1, 0x7F, 0x80, 0xFF, buf[pos] ^ 1]))
-    mutated = bytes(buf)
+    mutated = bytes_changed(whole, data, [0, 1, 0x7F, 0x80, 0xFF])
     for verify_crc in (True, False):
         assert _outcome(mutated, verify_crc=verify_crc) == _parsed(mutated, verify_crc=verify_crc)
 

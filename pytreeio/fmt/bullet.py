@@ -130,6 +130,7 @@ from ..registry import (
     Streamed,
     register,
 )
+from ..skeleton import Shelf, Skeleton
 
 __all__ = [
     "FORMAT",
@@ -621,16 +622,42 @@ def _walk_variant(src: ByteSource, file: str, old: bool) -> list[_Record]:
 
 
 def _walk_records(src: ByteSource, file: str) -> list[_Record]:
-    """The records of a tagged-record file, current variant first, then the old rows/cols one."""
+    """The records of a tagged-record file, current variant first, then the old rows/cols one.
+
+    An in-memory file whose bytes outside its values equal those of a file walked before
+    (a checkpoint's weights, momentum and velocity files share one layout, and a run
+    writes the same layout at every save) has that file's records (:mod:`pytreeio.skeleton`).
+    """
+    view = src.view() if type(src) is BufferSource else None
+    if view is not None:
+        plan = _RECORD_PLANS.find(view)
+        if plan is not None:
+            return list(plan.records)
     try:
-        return _walk_variant(src, file, old=False)
+        records = _walk_variant(src, file, old=False)
     except FormatError as first:
         try:
-            return _walk_variant(src, file, old=True)
+            records = _walk_variant(src, file, old=True)
         except FormatError:
             first.reason += " (nor does the file read as the older rows/cols variant)"
             first.args = (first.reason,)
             raise first from None
+    if view is not None and len(records) >= 32 and _RECORD_PLANS.seen_before(view.nbytes):
+        starts = np.array([rec.offset for rec in records], dtype=np.int64)
+        stops = starts + 4 * np.array([rec.count for rec in records], dtype=np.int64)
+        skeleton = Skeleton.of(np.frombuffer(view, dtype=np.uint8), starts, stops)
+        if skeleton is not None:
+            _RECORD_PLANS.keep(_RecordsPlan(skeleton, tuple(records)))
+    return records
+
+
+@dataclass(frozen=True)
+class _RecordsPlan:
+    skeleton: Skeleton
+    records: tuple[_Record, ...]
+
+
+_RECORD_PLANS: Shelf[_RecordsPlan] = Shelf(4)
 
 
 def _encode_records(tensors: Mapping[str, np.ndarray]) -> list[Any]:

@@ -73,7 +73,8 @@ import numpy as np
 from .. import jsonsafe, serde_json
 from ..binary import BufferSource, ByteSource, Writer
 from ..errors import ConversionError, EncodeError, FormatError, MismatchError, PytreeioWarning
-from ..model import Layer, Model, checked_layer, entry_parts, layer_list, plain_key
+from ..model import Layer, Model, checked_layer, entry_parts, layer_list
+from ..plainkey import plain_key
 from ..registry import (
     FILE,
     MAGIC,
@@ -906,7 +907,7 @@ def encode(
     """
     chosen = _resolve_variant(variant, meta)
     doc, bias_2d = _document(tree, meta, chosen)
-    layers = _check_doc(doc, _meta_fail)
+    layers = _checked_doc(doc)
     arrays = _native_layers(tree, layers)
     try:
         text = serde_json.dump_bytes(doc)
@@ -980,10 +981,10 @@ def to_model(native: Any, meta: Mapping[str, Any]) -> Model:
     return Model(tuple(out), extras={FORMAT_NAME: extras} if extras else {})
 
 
-def _checked_doc(doc: dict[str, Any]) -> list[_LayerSpec]:
-    """:func:`_check_doc` of a document without :data:`FILE_KEY`; a layer list checked before
-    (every load of a training run's model) is not checked again."""
-    key = plain_key(doc.get("layers"))
+def _checked_doc(doc: Any) -> list[_LayerSpec]:
+    """:func:`_check_doc`; the layer list of a document (a dict without :data:`FILE_KEY`)
+    checked before (every save and load of a training run's model) is not checked again."""
+    key = plain_key(doc.get("layers")) if type(doc) is dict and FILE_KEY not in doc else None
     specs = _CHECKED_DOCS.get(key) if key is not None else None
     if specs is None:
         specs = _check_doc(doc, _meta_fail)
@@ -994,7 +995,7 @@ def _checked_doc(doc: dict[str, Any]) -> list[_LayerSpec]:
     return specs
 
 
-#: Layer lists checked before (by :func:`pytreeio.model.plain_key`) -> their specs.
+#: Layer lists checked before (by :func:`pytreeio.plainkey.plain_key`) -> their specs.
 _CHECKED_DOCS: dict[bytes, list[_LayerSpec]] = {}
 
 

@@ -1,0 +1,94 @@
+"""bullet record walks replayed from a plan give exactly what the walk gives, and only where it would.
+
+A tagged-record file whose bytes outside its values equal those of a file
+walked before has that file's records (:mod:`pytreeio.skeleton`).  Every test
+compares a replayed walk with the walk itself on the same bytes (ids, counts,
+dims, offsets; errors: type, message and location).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from conftest import bytes_changed
+from hypothesis import given, settings
+
+from pytreeio.binary import BufferSource
+from pytreeio.errors import PytreeioError
+from pytreeio.fmt import bullet
+from pytreeio.skeleton import Shelf
+
+_WEIGHTS = "optimiser_state/weights.bin"
+
+
+@pytest.fixture(autouse=True)
+def no_plans(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(bullet, "_RECORD_PLANS", Shelf(4))
+    yield
+
+
+def _file(seed: int = 0, n: int = 40) -> bytes:
+    rng = np.random.default_rng(seed)
+    weights = {f"l{i}w": rng.standard_normal((3, 2), dtype=np.float32) for i in range(n)}
+    weights |= {f"l{i}b": rng.standard_normal(2, dtype=np.float32) for i in range(n)}
+    return bullet.encode({"weights": weights}).files[_WEIGHTS].tobytes()
+
+
+def _walk(data: bytes) -> Any:
+    try:
+        records = bullet._walk_records(BufferSource(bytearray(data), name=_WEIGHTS), _WEIGHTS)
+    except PytreeioError as exc:
+        return type(exc), str(exc), exc.__dict__
+    return [(r.id, r.count, r.dims, r.offset) for r in records]
+
+
+def _walked(data: bytes) -> Any:
+    """The walk itself (no plan to replay)."""
+    plans = bullet._RECORD_PLANS
+    bullet._RECORD_PLANS = Shelf(4)
+    try:
+        return _walk(data)
+    finally:
+        bullet._RECORD_PLANS = plans
+
+
+def test_the_third_walk_of_a_layout_is_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = _file()
+    _walk(data)
+    assert bullet._RECORD_PLANS.plans == []
+    _walk(data)
+    assert len(bullet._RECORD_PLANS.plans) == 1
+    calls: list[int] = []
+    walk = bullet._walk_variant
+    monkeypatch.setattr(bullet, "_walk_variant", lambda *a, **k: calls.append(1) or walk(*a, **k))
+    other = _file(seed=1)  # other values, the same layout
+    replayed = _walk(other)
+    assert not calls
+    assert replayed == _walked(other)
+
+
+def test_skeleton_changes_are_walked_as_the_walk_walks_them() -> None:
+    data = _file()
+    _walk(data)
+    _walk(data)
+    plan = bullet._RECORD_PLANS.plans[0]
+    rng = np.random.default_rng(0)
+    for pos in rng.choice(plan.skeleton.positions, size=120, replace=False):
+        bad = bytearray(data)
+        bad[int(pos)] ^= 0x21
+        assert bullet._RECORD_PLANS.find(memoryview(bad)) is None
+        assert _walk(bytes(bad)) == _walked(bytes(bad))
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data())
+def test_mutated_files_walk_as_the_walk_walks_them(data: st.DataObject) -> None:
+    whole = _file()
+    _walk(whole)
+    _walk(whole)
+    mutated = bytes_changed(whole, data, [0, 0x0A, 0x20, 0x7F, 0x80, 0xFF])
+    assert _walk(mutated) == _walked(mutated)
