@@ -33,6 +33,7 @@ from .errors import (
     QuantisationError,
     UnknownFormatError,
 )
+from .layouts import forget_layouts
 from .registry import (
     DIRECTORY,
     FILE,
@@ -66,6 +67,7 @@ __all__ = [
     "decode",
     "verify",
     "formats",
+    "forget_layouts",
     "flatten",
     "unflatten",
     "register",

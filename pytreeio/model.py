@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ConversionError, MismatchError
+from .layouts import kept_by
 from .plainkey import plain_key
 from .tree import allows_extra, describe_leaf, restore
 
@@ -405,6 +406,7 @@ def normalize_layers(
 #: per layer (type, args, trainable, array names).  Only successes are kept; a few suffice.
 _LAYOUTS: dict[tuple[Any, ...], list[tuple[str, dict[str, Any], bool, tuple[str, ...]]]] = {}
 _LAYOUTS_MAX = 8
+kept_by(_LAYOUTS.clear)
 _PLAIN_ARG_VALUES = frozenset({int, float, bool, str, type(None)})
 
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from . import crc as _crc
 from .binary import Buffer
+from .layouts import kept_by
 from .skeleton import Shelf, Skeleton
 
 if TYPE_CHECKING:
@@ -165,6 +166,8 @@ class WritePlan:
 
 _WRITE_PLANS: dict[int, WritePlan] = {}  # by member count: a run writes one structure
 _WRITTEN: dict[int, Signature] = {}  # the last signature written, by member count
+kept_by(_WRITE_PLANS.clear)
+kept_by(_WRITTEN.clear)
 
 
 def planned_write(signature: Signature, data: Sequence[Buffer]) -> bytearray | None:

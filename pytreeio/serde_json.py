@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from .errors import EncodeError
+from .layouts import kept_by
 from .plainkey import plain_key
 
 __all__ = ["dumps", "dump_bytes", "format_float", "widen_f32", "MAX_DEPTH"]
@@ -196,6 +197,7 @@ def dumps(value: Any) -> str:
 
 #: Texts written, by :func:`pytreeio.plainkey.plain_key` of their value (a few).
 _WRITTEN: dict[bytes, str] = {}
+kept_by(_WRITTEN.clear)
 
 
 def dump_bytes(value: Any) -> bytes:

@@ -20,6 +20,8 @@ from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
+from .layouts import kept_by
+
 __all__ = ["MAX_SKELETON", "Skeleton", "Shelf"]
 
 #: Skeletons larger than this are not kept (memory: 5 bytes per skeleton byte, so at most
@@ -85,6 +87,7 @@ class Shelf(Generic[P]):
         self.plans: list[P] = []
         self._lock = threading.Lock()
         self._lengths: dict[int, None] = {}  # lengths parsed lately, oldest first
+        kept_by(self.clear)
 
     def seen_before(self, length: int) -> bool:
         """Whether a buffer of ``length`` bytes was parsed lately (and note this one).

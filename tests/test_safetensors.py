@@ -413,3 +413,20 @@ def test_changes_in_the_checksum_string_read_as_a_full_parse_reads_them(
         monkeypatch.setattr(fmt_st, "_KNOWN_HEADERS", [])
         assert got == outcome(bytes(bad))  # what the full parse says
         fmt_st.decode(memoryview(bytearray(data)))  # known again for the next round
+
+
+@pytest.mark.parametrize(
+    ("literal", "end"),
+    [
+        (b'"plain"', 7),
+        (b'"a\\"b"', 6),  # an escaped quote
+        (b'"a\\\\"b"', 5),  # an escaped backslash, then the closing quote
+        (b'"a\\\\\\"b"', 8),  # backslash, then an escaped quote
+        (b'"' + b'\\"' * 5000 + b'"', 10002),  # many escaped quotes, walked once
+    ],
+)
+def test_the_checksum_string_is_found_to_its_closing_quote(literal: bytes, end: int) -> None:
+    raw = b'{"x":1,' + fmt_st._SUM_MARKER + literal + b',"y":2}'
+    start = raw.index(fmt_st._SUM_MARKER) + len(fmt_st._SUM_MARKER)
+    assert fmt_st._string_span(raw, fmt_st._SUM_MARKER) == (start, start + end)
+    assert fmt_st._string_span(raw + fmt_st._SUM_MARKER, fmt_st._SUM_MARKER) is None  # twice

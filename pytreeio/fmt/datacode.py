@@ -73,6 +73,7 @@ import numpy as np
 from .. import jsonsafe, serde_json
 from ..binary import BufferSource, ByteSource, Writer
 from ..errors import ConversionError, EncodeError, FormatError, MismatchError, PytreeioWarning
+from ..layouts import kept_by
 from ..model import Layer, Model, checked_layer, entry_parts, layer_list
 from ..plainkey import plain_key
 from ..registry import (
@@ -997,6 +998,7 @@ def _checked_doc(doc: Any) -> list[_LayerSpec]:
 
 #: Layer lists checked before (by :func:`pytreeio.plainkey.plain_key`) -> their specs.
 _CHECKED_DOCS: dict[bytes, list[_LayerSpec]] = {}
+kept_by(_CHECKED_DOCS.clear)
 
 
 def _extras(doc: Mapping[str, Any], types: list[str], variant: str) -> dict[str, Any]:

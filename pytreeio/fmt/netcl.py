@@ -41,6 +41,7 @@ from .. import dtypes, jsonsafe, npy
 from .. import zip as zipfmt
 from ..binary import ByteSource, as_memoryview
 from ..errors import FormatError, MismatchError
+from ..layouts import kept_by
 from ..model import (
     LAYERS,
     Model,
@@ -229,6 +230,7 @@ _NETCL_NAMES = frozenset(name for names in NAMES.values() for name in names.valu
 #: layer its (netcl name, member) pairs.  Only successful checks are kept; a few suffice.
 _LAYOUTS: dict[tuple[Any, ...], list[list[tuple[str, str]]]] = {}
 _LAYOUTS_MAX = 8
+kept_by(_LAYOUTS.clear)
 
 
 def _checked_layers(

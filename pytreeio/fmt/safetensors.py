@@ -65,6 +65,7 @@ import numpy as np
 from .. import dtypes, jsonsafe, keys, nnx, sharding
 from ..binary import ByteSource, Reader, check_shape
 from ..errors import EncodeError, FormatError
+from ..layouts import kept_by
 from ..registry import (
     FILE,
     MAGIC,
@@ -611,6 +612,15 @@ _KNOWN_LOCK = threading.Lock()
 _SUM_MARKER = b'"' + _SUM_KEY.encode() + b'":'
 
 
+def _forget_headers() -> None:
+    global _KNOWN_HEADERS
+    with _KNOWN_LOCK:
+        _KNOWN_HEADERS = []
+
+
+kept_by(_forget_headers)
+
+
 def _known_header(
     raw: memoryview, n: int, total: int
 ) -> tuple[_KnownHeader, dict[str, str]] | None:
@@ -641,8 +651,10 @@ def _string_span(raw: bytes, marker: bytes) -> tuple[int, int] | None:
         return None
     pos = start + 1
     while (end := raw.find(b'"', pos)) >= 0:
-        backslashes = len(raw[:end]) - len(raw[:end].rstrip(b"\\"))
-        if backslashes % 2 == 0:
+        before = end  # the quote ends the literal unless an odd run of backslashes escapes it
+        while raw[before - 1] == 0x5C:
+            before -= 1
+        if (end - before) % 2 == 0:
             return start, end + 1
         pos = end + 1
     return None

@@ -440,6 +440,15 @@ class PerLeafLib:
     save: Callable[[Path], Any]
     load: Callable[[Path], Any] | None
     like: Callable[[Path], Any] | None
+    #: pytreeio keeps layouts from earlier saves and loads (pytreeio.layouts): each operation
+    #: is timed again after ``forget_layouts``, as the first of its layout
+    keeps_layouts: bool = False
+
+
+def _first(op: Callable[[Path], Any], path: Path) -> Any:
+    """``op(path)`` as the first operation of its layout: nothing kept from earlier ones."""
+    ptio.forget_layouts()
+    return op(path)
 
 
 def bench_per_leaf(run: Run) -> None:
@@ -473,6 +482,7 @@ def bench_per_leaf(run: Run) -> None:
                 None
                 if like is None
                 else lambda p, f=case.format: ptio.load(p, format=f, like=tree),
+                keeps_layouts=True,
             )
         )
     names = {p.name for p in P.available()}
@@ -516,17 +526,19 @@ def bench_per_leaf(run: Run) -> None:
     for lib in libs:
         lib.path.parent.mkdir(parents=True, exist_ok=True)
         lib.save(lib.path)
-        cases[(lib.name, "save")] = Case(f"{lib.name} save", lambda s=lib.save, p=lib.path: s(p))
-        if lib.load is not None:
-            cases[(lib.name, "load")] = Case(
-                f"{lib.name} load", lambda f=lib.load, p=lib.path: f(p)
-            )
-        if lib.like is not None:
-            cases[(lib.name, "load_like")] = Case(
-                f"{lib.name} load like", lambda f=lib.like, p=lib.path: f(p)
-            )
+        for op, fn in (("save", lib.save), ("load", lib.load), ("load_like", lib.like)):
+            if fn is None:
+                continue
+            label = f"{lib.name} {op.replace('_', ' ')}"
+            cases[(lib.name, op)] = Case(label, lambda f=fn, p=lib.path: f(p))
+            if lib.keeps_layouts:
+                cases[(lib.name, f"{op}_first")] = Case(
+                    f"{label}, first of its layout", lambda f=fn, p=lib.path: _first(f, p)
+                )
     run.log(f"per-leaf: {len(cases)} cases x {max(run.repeat, 5)} rounds")
-    race(list(cases.values()), max(run.repeat, 5))
+    # The first-of-a-layout cases forget what the others keep: a race of their own, after.
+    for first in (False, True):
+        race([c for k, c in cases.items() if k[1].endswith("_first") == first], max(run.repeat, 5))
     count = {lib.name: lib.leaves for lib in libs}
 
     def us(name: str, op: str) -> float | None:
@@ -541,6 +553,9 @@ def bench_per_leaf(run: Run) -> None:
             "save": us(name, "save"),
             "load": us(name, "load"),
             "load_like": us(name, "load_like"),
+            "save_first": us(name, "save_first"),
+            "load_first": us(name, "load_first"),
+            "load_like_first": us(name, "load_like_first"),
         }
         checks = []
         if name.startswith("pytreeio") and any(k[0] == ref for k in cases):

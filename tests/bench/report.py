@@ -200,13 +200,16 @@ def markdown(results: dict[str, Any]) -> str:
             f"### Per-leaf cost ({pl['leaves']} leaves: Linear layers of an 8x8 kernel and 8 "
             "biases, float32; Tiny Llama: a model of as many leaves; µs per leaf, best)",
             "",
-            "| library | save | load | load (like) | targets (<= safetensors.numpy) |",
-            "|---|---:|---:|---:|---|",
+            "Repeated saves and loads of one layout (what a training run does); then the",
+            "first of a layout, after `pytreeio.forget_layouts()` (what a one-off load pays).",
+            "",
+            "| library | save | load | load (like) | first: save | load | load (like) "
+            "| targets (<= safetensors.numpy) |",
+            "|---|---:|---:|---:|---:|---:|---:|---|",
         ]
+        keys = ("save", "load", "load_like", "save_first", "load_first", "load_like_first")
         for r in pl["rows"]:
-            cells = [
-                f"{r[k]:.1f}" if r.get(k) is not None else "" for k in ("save", "load", "load_like")
-            ]
+            cells = [f"{r[k]:.1f}" if r.get(k) is not None else "" for k in keys]
             lines.append(f"| {r['name']} | {' | '.join(cells)} | {r['verdict']} |")
         lines.append("")
     mm = results.get("memory")
