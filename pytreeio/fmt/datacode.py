@@ -781,7 +781,9 @@ def _record(meta: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _is_datacode_entry(entry: Any) -> bool:
-    return isinstance(entry, Mapping) and "type" in entry and "args" not in entry
+    # dict first: an ABC check costs several times more, once per layer on every save
+    is_map = type(entry) is dict or isinstance(entry, Mapping)
+    return is_map and "type" in entry and "args" not in entry
 
 
 def _entry(given: Any, i: int, name: str, shapes: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -943,10 +945,21 @@ def encode(
 
 def _tensor(name: str, arr: Any) -> tuple[bytes, Any]:
     """A tensor record: its header and its values (1 or 2 dims, checked against the layers)."""
-    raw = name.encode("utf-8")
-    ndim = arr.ndim
-    dims = _DIMS[ndim].pack(*map(int, arr.shape))
-    return _U32.pack(len(raw)) + raw + _U32.pack(ndim) + dims, arr
+    key = (name, arr.shape)
+    head = _HEADS.get(key)
+    if head is None:
+        raw = name.encode("utf-8")
+        ndim = arr.ndim
+        dims = _DIMS[ndim].pack(*map(int, arr.shape))
+        head = _U32.pack(len(raw)) + raw + _U32.pack(ndim) + dims
+        if len(_HEADS) >= 1 << 14:  # a process writes a few models' records: stay bounded
+            _HEADS.clear()
+        _HEADS[key] = head
+    return head, arr
+
+
+#: Tensor record headers made before, by (name, shape): every save of a model makes the same.
+_HEADS: dict[tuple[str, tuple[int, ...]], bytes] = {}
 
 
 # --------------------------------------------------------------------------
