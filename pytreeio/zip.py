@@ -91,7 +91,6 @@ DEFLATED = 8
 
 _LOCAL = struct.Struct("<4s2B4HL2L2H")  # 30 bytes
 _CENTRAL = struct.Struct("<4s4B4HL2L5H2L")  # 46 bytes
-_CENTRAL_LENGTHS = struct.Struct("<3H")  # at 28: name, extra and comment lengths
 _END = struct.Struct("<4s4H2LH")  # 22 bytes
 _END64 = struct.Struct("<4sQ2H2L4Q")  # 56 bytes
 _END64_LOC = struct.Struct("<4sLQL")  # 20 bytes
@@ -316,11 +315,36 @@ def _central_records(source: ByteSource, d: _Directory) -> Iterator[_Central]:
 
 def _well_formed_records(r: Reader, count: int) -> list[_Central] | None:
     """Every record of a directory with nothing wrong in it, or None (then the checked walk)."""
-    view, base, end = r.view, r.start, len(r.view)
-    unpack, head = _CENTRAL.unpack_from, _CENTRAL.size
-    out: list[_Central] = []
+    plain = _plain_records(r.view, count)
+    if plain is None:
+        return None
+    base = r.start
+    return [
+        _Central(
+            i,
+            base + at,
+            raw_name,
+            name,
+            flags,
+            method,
+            {"crc": crc, "size": usize, "compressed_size": csize, "header_offset": hoff},
+        )
+        for i, (at, raw_name, name, flags, method, crc, csize, usize, hoff) in enumerate(plain)
+    ]
+
+
+#: A central record read plainly: (offset in the directory, raw name, name, flags, method,
+#: crc, compressed size, size, header offset).
+_PlainRecord = tuple[int, bytes, str, int, int, int, int, int, int]
+
+
+def _plain_records(view: memoryview, count: int) -> list[_PlainRecord] | None:
+    """The records of a directory of ``count`` plain ones (no zip64 fields, names that decode,
+    filling it exactly), as tuples; None for any other (the checked walk reports it)."""
+    unpack, head, end = _CENTRAL.unpack_from, _CENTRAL.size, len(view)
+    out: list[_PlainRecord] = []
     pos = 0
-    for i in range(count):
+    for _ in range(count):
         if pos + head > end:
             return None
         (sig, _made, _system, _need, _res, flags, method, _time, _date, crc, csize, usize,
@@ -341,9 +365,7 @@ def _well_formed_records(r: Reader, count: int) -> list[_Central] | None:
                 name = raw_name.decode("utf-8" if flags & _FLAG_UTF8 else "cp437")
             except UnicodeDecodeError:
                 return None
-        values = {"crc": crc, "size": usize, "compressed_size": csize, "header_offset": hoff}
-        rec = _Central(i, base + pos, raw_name, name, flags, method, values)
-        out.append(rec)
+        out.append((pos, raw_name, name, flags, method, crc, csize, usize, hoff))
         pos = name_at + nlen + elen + clen
     return out if pos == end else None
 
@@ -481,7 +503,7 @@ def _well_formed_members(source: BufferSource, d: _Directory) -> list[ZipMember]
     header): an archive of thousands of small arrays pays those per member.  Anything
     the walk would refuse, or report on its own terms, returns None.
     """
-    records = _well_formed_records(source.reader(d.offset, d.size, "zip.central"), d.count)
+    records = _plain_records(source.reader(d.offset, d.size, "zip.central").view, d.count)
     if records is None:
         return None
     view, cd_offset = source.view(), d.offset
@@ -489,19 +511,17 @@ def _well_formed_members(source: BufferSource, d: _Directory) -> list[ZipMember]
     members: list[ZipMember] = []
     seen: set[str] = set()
     end = 0
-    for rec in records:
-        name, raw_name, values = rec.name, rec.raw_name, rec.values
+    for _at, raw_name, name, flags, cmethod, crc, csize, size, hoff in records:
         if (
             name in seen
             or not _plain_member_name(name)
-            or rec.flags & _FLAG_ENCRYPTED
-            or rec.method != STORED
+            or flags & _FLAG_ENCRYPTED
+            or cmethod != STORED
         ):
             return None
         seen.add(name)
-        hoff, size = values["header_offset"], values["size"]
         name_at = hoff + local_size
-        if hoff < end or values["compressed_size"] != size or name_at + len(raw_name) > cd_offset:
+        if hoff < end or csize != size or name_at + len(raw_name) > cd_offset:
             return None  # out of order members take the walk too (it sorts them)
         sig, _need, _res, _flags, method, _t, _d, _crc, _cs, _us, nlen, elen = unpack(view, hoff)
         data_at = name_at + nlen + elen
@@ -513,24 +533,17 @@ def _well_formed_members(source: BufferSource, d: _Directory) -> list[ZipMember]
             or data_at + size > cd_offset
         ):
             return None
-        members.append(ZipMember(name, STORED, values["crc"], size, size, hoff, data_at))
+        members.append(ZipMember(name, STORED, crc, size, size, hoff, data_at))
         end = data_at + size
     return members
 
 
 def central_offsets(source: ByteSource) -> list[int] | None:
-    """Where each central record of an archive starts, in order; None where the records do
-    not fill the directory exactly (what :func:`read_zip_directory` checks and reports)."""
+    """Where each central record of an archive of plain records starts, in order; None for
+    any other archive (zip64 records included)."""
     d = _directory(source)
-    view = source.reader(d.offset, d.size, "zip.central").view
-    out: list[int] = []
-    pos, end, lengths = 0, len(view), _CENTRAL_LENGTHS.unpack_from
-    for _ in range(d.count):
-        if pos + _CENTRAL.size > end:
-            return None
-        out.append(d.offset + pos)
-        pos += _CENTRAL.size + sum(lengths(view, pos + 28))
-    return out if pos == end else None
+    records = _plain_records(source.reader(d.offset, d.size, "zip.central").view, d.count)
+    return None if records is None else [d.offset + rec[0] for rec in records]
 
 
 def _check_no_overlap(source: ByteSource, members: Sequence[ZipMember]) -> None:
