@@ -590,8 +590,8 @@ class Model:
         """
         entries = layer_list(layers) if layers is not None else None
         if entries is None:
-            entries, per_layer = _inferred_layers(arrays)
-            return cls(tuple(normalize_layers(entries, per_layer)))
+            # the layers' types and args follow from their arrays, as normalize_layers reads them
+            return cls(tuple(normalize_layers(None, _inferred_layers(arrays))))
         per_layer = []
         pos = 0
         for i, entry in enumerate(entries):
@@ -715,10 +715,10 @@ class Model:
         return out
 
 
-def _inferred_layers(arrays: Sequence[Any]) -> tuple[list[Any], list[dict[str, Any]]]:
-    """Layer entries read off a parameter list's shapes (see :meth:`Model.from_params`), and
-    each layer's arrays by name."""
-    entries: list[Any] = []
+def _inferred_layers(arrays: Sequence[Any]) -> list[dict[str, Any]]:
+    """A parameter list's arrays grouped into layers by their shapes (see
+    :meth:`Model.from_params`): a 2-D or 4-D kernel and a following bias of its out size, two
+    equal 1-D arrays (a BatchNorm2d's scale and bias)."""
     per_layer: list[dict[str, Any]] = []
     i = 0
     while i < len(arrays):
@@ -726,15 +726,11 @@ def _inferred_layers(arrays: Sequence[Any]) -> tuple[list[Any], list[dict[str, A
         nxt = _shape(arrays[i + 1]) if i + 1 < len(arrays) else None
         if len(shape) in (2, 4):
             has_bias = nxt == (shape[-1],)
-            entries.append(
-                {"type": "Linear" if len(shape) == 2 else "Conv2d", "args": {"bias": has_bias}}
-            )
             layer = (
                 {"kernel": arrays[i], "bias": arrays[i + 1]} if has_bias else {"kernel": arrays[i]}
             )
             i += 2 if has_bias else 1
         elif len(shape) == 1 and nxt == shape:
-            entries.append("BatchNorm2d")
             layer = {"scale": arrays[i], "bias": arrays[i + 1]}
             i += 2
         else:
@@ -744,7 +740,7 @@ def _inferred_layers(arrays: Sequence[Any]) -> tuple[list[Any], list[dict[str, A
                 key_path=f"[{i}]",
             )
         per_layer.append(layer)
-    return entries, per_layer
+    return per_layer
 
 
 # --------------------------------------------------------------------------
