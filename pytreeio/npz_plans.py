@@ -19,6 +19,13 @@ reader does), and builds the arrays from the recorded headers.  Any
 difference (one skeleton byte, one CRC) returns None and the reader parses
 the buffer, reporting whatever is wrong; so replay accepts exactly the
 buffers the reader accepts, and returns the same arrays.
+
+Writing has its twin: an archive of small arrays whose members (names,
+``.npy`` headers, sizes) are those of the archive written just before, for
+the second time in a row, is kept as a :class:`WritePlan`, and later ones are
+written as one copy of it with each array's bytes and CRC-32 in place
+(:func:`planned_write`); a plan is kept only if it reproduces the writer's
+bytes exactly.
 """
 
 from __future__ import annotations

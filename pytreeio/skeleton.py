@@ -8,8 +8,9 @@ same structure with the payloads at the same offsets.  A format records what
 its parse found as a plan carrying a :class:`Skeleton`; :class:`Shelf` keeps a
 few plans per process and finds the one a new buffer matches, by comparing the
 skeleton's bytes in one numpy gather.  Used by the msgpack state dicts
-(:mod:`pytreeio.fmt.msgpack_plans`) and the ``.npz`` archives
-(:mod:`pytreeio.npz_plans`).
+(:mod:`pytreeio.fmt.msgpack_plans`), the ``.npz`` archives
+(:mod:`pytreeio.npz_plans`), DataCode files and bullet's record files; every
+shelf registers with :func:`pytreeio.forget_layouts`.
 """
 
 from __future__ import annotations
