@@ -152,3 +152,26 @@ def test_to_model_checks_a_layer_list_once_and_only_the_same_one(
     with pytest.raises(MismatchError, match="trainable"):
         datacode.to_model(native, meta)
     assert calls == [1, 1]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "problem"),
+    [
+        ("device", 5, "device must be a string"),
+        ("training", [], "training must be an object"),
+        ("training", {"stages": "x"}, "training.stages"),
+    ],
+)
+def test_a_kept_layer_list_does_not_skip_the_rest_of_the_document(
+    monkeypatch: pytest.MonkeyPatch, field: str, value: object, problem: str
+) -> None:
+    from pytreeio.errors import MismatchError
+
+    monkeypatch.setattr(datacode, "_CHECKED_DOCS", {})
+    native, meta = _decode(_file())
+    datacode.to_model(native, meta)  # the layer list checked, and kept
+    bad = {**meta, field: value}
+    with pytest.raises(MismatchError, match=problem):
+        datacode.to_model(native, bad)
+    with pytest.raises(MismatchError, match=problem):
+        datacode.encode(native, meta=bad)

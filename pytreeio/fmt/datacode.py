@@ -996,9 +996,10 @@ def to_model(native: Any, meta: Mapping[str, Any]) -> Model:
 
 
 def _checked_doc(doc: Any) -> list[_LayerSpec]:
-    """:func:`_check_doc`; the layer list of a document (a dict without :data:`FILE_KEY`)
-    checked before (every save and load of a training run's model) is not checked again."""
-    key = plain_key(doc.get("layers")) if type(doc) is dict and FILE_KEY not in doc else None
+    """:func:`_check_doc`; a document checked before (every save and load of a training
+    run's model) is not checked again.  Keyed by the whole document: the checks cover its
+    device and training record too."""
+    key = plain_key(doc)
     specs = _CHECKED_DOCS.get(key) if key is not None else None
     if specs is None:
         specs = _check_doc(doc, _meta_fail)
@@ -1009,7 +1010,7 @@ def _checked_doc(doc: Any) -> list[_LayerSpec]:
     return specs
 
 
-#: Layer lists checked before (by :func:`pytreeio.plainkey.plain_key`) -> their specs.
+#: Documents checked before (by :func:`pytreeio.plainkey.plain_key`) -> their layers' specs.
 _CHECKED_DOCS: dict[bytes, list[_LayerSpec]] = {}
 kept_by(_CHECKED_DOCS.clear)
 
