@@ -12,8 +12,12 @@ measure a first load.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["forget_layouts", "kept_by"]
+__all__ = ["Memo", "forget_layouts", "kept_by"]
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 _FORGETTERS: list[Callable[[], None]] = []
 
@@ -21,6 +25,21 @@ _FORGETTERS: list[Callable[[], None]] = []
 def kept_by(forget: Callable[[], None]) -> None:
     """Register how to drop one kind of kept layout (each memo registers itself on import)."""
     _FORGETTERS.append(forget)
+
+
+class Memo(dict[K, V]):
+    """Work kept by key: at most ``limit`` entries (full, it starts again: what a process
+    meets is few), dropped by :func:`forget_layouts`."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        kept_by(self.clear)
+
+    def keep(self, key: K, value: V) -> None:
+        if len(self) >= self.limit and key not in self:
+            self.clear()
+        self[key] = value
 
 
 def forget_layouts() -> None:

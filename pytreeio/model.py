@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ConversionError, MismatchError
-from .layouts import kept_by
+from .layouts import Memo
 from .plainkey import plain_key
 from .tree import allows_extra, describe_leaf, restore
 
@@ -394,19 +394,13 @@ def normalize_layers(
     if key is not None and all(
         type(v) in _PLAIN_ARG_VALUES for layer in out for v in layer.args.values()
     ):  # kept args are shared by later models: immutable values only
-        if len(_LAYOUTS) >= _LAYOUTS_MAX:
-            _LAYOUTS.clear()
-        _LAYOUTS[key] = [
-            (layer.type, dict(layer.args), layer.trainable, tuple(layer.arrays)) for layer in out
-        ]
+        _LAYOUTS.keep(key, [(la.type, dict(la.args), la.trainable, tuple(la.arrays)) for la in out])
     return out
 
 
 #: Layouts worked out before: (entries pickled, per layer its arrays' (name, shape)) ->
 #: per layer (type, args, trainable, array names).  Only successes are kept; a few suffice.
-_LAYOUTS: dict[tuple[Any, ...], list[tuple[str, dict[str, Any], bool, tuple[str, ...]]]] = {}
-_LAYOUTS_MAX = 8
-kept_by(_LAYOUTS.clear)
+_LAYOUTS: Memo[tuple[Any, ...], list[tuple[str, dict[str, Any], bool, tuple[str, ...]]]] = Memo(8)
 _PLAIN_ARG_VALUES = frozenset({int, float, bool, str, type(None)})
 
 

@@ -434,9 +434,10 @@ def read_npz(
         src, ranged = BufferSource(src.read(0, src.size, "zip"), name=src.name), False
     in_memory = type(src) is BufferSource
     if in_memory:  # the framing of an archive read before: no walk
-        replayed = npz_plans.replay(src.view(), verify_crc=verify_crc)
+        view = src.view()
+        replayed = npz_plans.replay(view, verify_crc=verify_crc)
         if replayed is not None:
-            return replayed
+            return {name: _array_at(h, view, at) for name, h, at in replayed}
     found: Sequence[_zip.ZipMember] = _zip.read_zip_directory(src)
     keys = [_array_name(m, src) for m in found]  # every name checked before the data is read
     if ranged:

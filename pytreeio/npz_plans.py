@@ -38,7 +38,7 @@ import numpy as np
 
 from . import crc as _crc
 from .binary import Buffer
-from .layouts import kept_by
+from .layouts import Memo
 from .skeleton import Shelf, Skeleton
 
 if TYPE_CHECKING:
@@ -75,11 +75,15 @@ class Plan:
     arrays: tuple[tuple[str, NpyHeader, int], ...]  # (name, header, offset of the data)
 
 
-_PLANS: Shelf[Plan] = Shelf(MAX_PLANS)
+_PLANS: Shelf[Plan] = Shelf(MAX_PLANS, MIN_MEMBERS)
 
 
-def replay(view: memoryview, *, verify_crc: bool = True) -> dict[str, np.ndarray] | None:
-    """What ``read_npz`` returns for ``view`` when a plan's skeleton matches it, else None."""
+def replay(
+    view: memoryview, *, verify_crc: bool = True
+) -> tuple[tuple[str, NpyHeader, int], ...] | None:
+    """Where ``read_npz``'s arrays of ``view`` lie, ``(name, header, offset of the data)`` in
+    archive order, when a plan's skeleton matches it (and, with ``verify_crc``, every
+    member's CRC-32 its central record); else None."""
     plan = _PLANS.find(view)
     if plan is None:
         return None
@@ -88,15 +92,13 @@ def replay(view: memoryview, *, verify_crc: bool = True) -> dict[str, np.ndarray
         found = np.array(_crc.crc32_spans(view, plan.spans), dtype=np.uint32)
         if not np.array_equal(stored, found):
             return None  # the reader names the member
-    from .npy import _array_at
-
-    return {name: _array_at(h, view, at) for name, h, at in plan.arrays}
+    return plan.arrays
 
 
 def worth_learning(view: memoryview, members: int) -> bool:
     """Whether to learn a read of ``view`` of ``members`` members: from the second read of an
     archive of its length on (a one-off load pays nothing for a plan)."""
-    return members >= MIN_MEMBERS and _PLANS.seen_before(view.nbytes)
+    return _PLANS.learns(view, members)
 
 
 def learn(
@@ -116,20 +118,27 @@ def learn(
         if h is None or m.method != 0 or h.data_offset + h.nbytes != m.size:
             return
         arrays.append((name, h, m.data_offset + h.data_offset))
-    local = np.array([m.header_offset for m in members], dtype=np.int64) + _LOCAL_CRC
+    local, central = _crc_fields(members, central_at)
     begin = np.array([m.data_offset for m in members], dtype=np.int64)
     end = begin + np.array([m.size for m in members], dtype=np.int64)
     data_at = np.array([at for _, _, at in arrays], dtype=np.int64)
-    central = np.asarray(central_at, dtype=np.int64) + _CENTRAL_CRC
     # per member its local CRC field then its array's data; then the central CRC fields
     starts = np.concatenate((np.column_stack((local, data_at)).ravel(), central))
     stops = np.concatenate((np.column_stack((local + 4, end)).ravel(), central + 4))
-    skeleton = Skeleton.of(np.frombuffer(view, dtype=np.uint8), starts, stops)
+    skeleton = Skeleton.of(view, starts, stops)
     if skeleton is None:
         return
     spans = tuple(zip(begin.tolist(), end.tolist()))
     crc_at = (central[:, None] + np.arange(4)).ravel()
     _PLANS.keep(Plan(skeleton, spans, crc_at, tuple(arrays)))
+
+
+def _crc_fields(
+    members: Sequence[ZipMember], central_at: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Where each member's CRC-32 field starts: in its local header, in its central record."""
+    local = np.array([m.header_offset for m in members], dtype=np.int64) + _LOCAL_CRC
+    return local, np.asarray(central_at, dtype=np.int64) + _CENTRAL_CRC
 
 
 # --------------------------------------------------------------------------
@@ -171,10 +180,8 @@ class WritePlan:
         return out
 
 
-_WRITE_PLANS: dict[int, WritePlan] = {}  # by member count: a run writes one structure
-_WRITTEN: dict[int, Signature] = {}  # the last signature written, by member count
-kept_by(_WRITE_PLANS.clear)
-kept_by(_WRITTEN.clear)
+_WRITE_PLANS: Memo[int, WritePlan] = Memo(MAX_PLANS)  # by member count: a run writes few
+_WRITTEN: Memo[int, Signature] = Memo(4 * MAX_PLANS)  # the last signature written, by count
 
 
 def planned_write(signature: Signature, data: Sequence[Buffer]) -> bytearray | None:
@@ -193,9 +200,7 @@ def worth_planning(signature: Signature) -> bool:
     if n < MIN_MEMBERS or total > min(n * MAX_PLANNED_MEAN, MAX_PLANNED_ARCHIVE):
         return False
     seen = _WRITTEN.get(n) == signature
-    if len(_WRITTEN) >= 4 * MAX_PLANS and n not in _WRITTEN:
-        _WRITTEN.clear()
-    _WRITTEN[n] = signature
+    _WRITTEN.keep(n, signature)
     return seen
 
 
@@ -211,8 +216,7 @@ def learn_write(signature: Signature, data: Sequence[Buffer], written: bytes) ->
     central = central_offsets(source)
     if central is None or len(members) != len(signature):
         return
-    local = np.array([m.header_offset for m in members], dtype=np.int64) + _LOCAL_CRC
-    cent = np.array(central, dtype=np.int64) + _CENTRAL_CRC
+    local, cent = _crc_fields(members, central)
     starts = np.column_stack((local, cent)).ravel()  # member i's local, then central field
     plan = WritePlan(
         signature,
@@ -223,6 +227,4 @@ def learn_write(signature: Signature, data: Sequence[Buffer], written: bytes) ->
     )
     if plan.encode(data) != written:  # the plan must write what the writer wrote
         return
-    if len(_WRITE_PLANS) >= MAX_PLANS and len(signature) not in _WRITE_PLANS:
-        _WRITE_PLANS.clear()
-    _WRITE_PLANS[len(signature)] = plan
+    _WRITE_PLANS.keep(len(signature), plan)

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .errors import EncodeError
-from .layouts import kept_by
+from .layouts import Memo
 from .plainkey import plain_key
 
 __all__ = ["dumps", "dump_bytes", "format_float", "widen_f32", "MAX_DEPTH"]
@@ -189,15 +189,12 @@ def dumps(value: Any) -> str:
         _write(value, out, "", 0)
         text = "".join(out)
         if key is not None:
-            if len(_WRITTEN) >= 8:
-                _WRITTEN.clear()
-            _WRITTEN[key] = text
+            _WRITTEN.keep(key, text)
     return text
 
 
 #: Texts written, by :func:`pytreeio.plainkey.plain_key` of their value (a few).
-_WRITTEN: dict[bytes, str] = {}
-kept_by(_WRITTEN.clear)
+_WRITTEN: Memo[bytes, str] = Memo(8)
 
 
 def dump_bytes(value: Any) -> bytes:

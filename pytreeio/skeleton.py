@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -39,12 +39,14 @@ class Skeleton:
     values: np.ndarray  # uint8, the bytes at `positions`
 
     @classmethod
-    def of(cls, data: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> Skeleton | None:
-        """The skeleton of ``data`` (uint8) around the payloads ``[starts[i], stops[i])``.
+    def of(cls, buffer: Any, starts: Any, stops: Any) -> Skeleton | None:
+        """The skeleton of ``buffer`` (a flat byte buffer) around the payloads
+        ``[starts[i], stops[i])`` (sequences of offsets).
 
         None where the payloads are not in order and disjoint, or the skeleton would
         exceed :data:`MAX_SKELETON` (it is sized before anything is allocated).
         """
+        data = np.frombuffer(buffer, dtype=np.uint8)
         n = data.nbytes
         starts, stops = np.asarray(starts, np.int64), np.asarray(stops, np.int64)
         if len(starts) and (
@@ -83,8 +85,9 @@ class Shelf(Generic[P]):
     list in place, so a reader iterating it needs no lock.
     """
 
-    def __init__(self, max_plans: int) -> None:
+    def __init__(self, max_plans: int, min_items: int = 32) -> None:
         self.max_plans = max_plans
+        self.min_items = min_items  # buffers of fewer tensors parse fast enough: no plan
         self.plans: list[P] = []
         self._lock = threading.Lock()
         self._lengths: dict[int, None] = {}  # lengths parsed lately, oldest first
@@ -103,6 +106,11 @@ class Shelf(Generic[P]):
             if len(self._lengths) > 4 * self.max_plans:
                 del self._lengths[next(iter(self._lengths))]
         return seen
+
+    def learns(self, view: memoryview, items: int) -> bool:
+        """Whether to learn a parse of ``view`` (of ``items`` tensors): enough of them, and
+        from the second parse of a buffer of its length on (:meth:`seen_before`)."""
+        return items >= self.min_items and self.seen_before(view.nbytes)
 
     def find(self, view: memoryview) -> P | None:
         """The plan whose skeleton ``view`` (a byte view) matches, or None."""

@@ -20,6 +20,7 @@ from hypothesis import given, settings
 
 from pytreeio.errors import PytreeioError
 from pytreeio.fmt import datacode
+from pytreeio.layouts import Memo
 from pytreeio.skeleton import Shelf
 
 
@@ -136,7 +137,7 @@ def test_to_model_checks_a_layer_list_once_and_only_the_same_one(
 ) -> None:
     from pytreeio.errors import MismatchError
 
-    monkeypatch.setattr(datacode, "_CHECKED_DOCS", {})
+    monkeypatch.setattr(datacode, "_CHECKED_DOCS", Memo(8))
     calls: list[int] = []
     check = datacode._check_doc
     monkeypatch.setattr(datacode, "_check_doc", lambda *a: calls.append(1) or check(*a))
@@ -167,7 +168,7 @@ def test_a_kept_layer_list_does_not_skip_the_rest_of_the_document(
 ) -> None:
     from pytreeio.errors import MismatchError
 
-    monkeypatch.setattr(datacode, "_CHECKED_DOCS", {})
+    monkeypatch.setattr(datacode, "_CHECKED_DOCS", Memo(8))
     native, meta = _decode(_file())
     datacode.to_model(native, meta)  # the layer list checked, and kept
     bad = {**meta, field: value}

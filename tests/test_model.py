@@ -14,6 +14,7 @@ from flax.training import train_state
 
 from pytreeio import model as M
 from pytreeio.errors import MismatchError
+from pytreeio.layouts import Memo
 
 RNG = np.random.default_rng(0)
 
@@ -248,7 +249,7 @@ def test_alike_layers_are_settled_once_but_equal_looking_args_are_not_shared() -
 
 
 def _counted_normalize(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    monkeypatch.setattr(M, "_LAYOUTS", {})
+    monkeypatch.setattr(M, "_LAYOUTS", Memo(8))
     calls: list[int] = []
     original = M._normalized
     monkeypatch.setattr(M, "_normalized", lambda *a: calls.append(1) or original(*a))

@@ -18,6 +18,7 @@ from pytreeio import npy
 from pytreeio.errors import FormatError, MismatchError
 from pytreeio.fmt import netcl as nc
 from pytreeio.fmt import netcl_checkpoint as nck
+from pytreeio.layouts import Memo
 from pytreeio.model import model_of
 
 RNG = np.random.default_rng(0)
@@ -531,7 +532,7 @@ def _layers_file(config_out: int = 4, n: int = 6) -> bytes:
 
 
 def test_a_structure_checked_before_is_not_checked_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nc, "_LAYOUTS", {})
+    monkeypatch.setattr(nc, "_LAYOUTS", Memo(8))
     calls: list[int] = []
     original = nc._checked_layers
     monkeypatch.setattr(nc, "_checked_layers", lambda *a: calls.append(1) or original(*a))

@@ -642,10 +642,9 @@ def _walk_records(src: ByteSource, file: str) -> list[_Record]:
             first.reason += " (nor does the file read as the older rows/cols variant)"
             first.args = (first.reason,)
             raise first from None
-    if view is not None and len(records) >= 32 and _RECORD_PLANS.seen_before(view.nbytes):
-        starts = np.array([rec.offset for rec in records], dtype=np.int64)
-        stops = starts + 4 * np.array([rec.count for rec in records], dtype=np.int64)
-        skeleton = Skeleton.of(np.frombuffer(view, dtype=np.uint8), starts, stops)
+    if view is not None and _RECORD_PLANS.learns(view, len(records)):
+        starts = [rec.offset for rec in records]
+        skeleton = Skeleton.of(view, starts, [rec.offset + 4 * rec.count for rec in records])
         if skeleton is not None:
             _RECORD_PLANS.keep(_RecordsPlan(skeleton, tuple(records)))
     return records

@@ -73,7 +73,7 @@ import numpy as np
 from .. import jsonsafe, serde_json
 from ..binary import BufferSource, ByteSource, Writer
 from ..errors import ConversionError, EncodeError, FormatError, MismatchError, PytreeioWarning
-from ..layouts import kept_by
+from ..layouts import Memo
 from ..model import Layer, Model, checked_layer, entry_parts, layer_list
 from ..plainkey import plain_key
 from ..registry import (
@@ -610,8 +610,6 @@ class _Plan:
     layout: _Layout  # its document is never handed out: each replay parses the JSON again
 
 
-#: Files with fewer tensors read fast enough: no plan.
-_PLAN_MIN_TENSORS = 32
 _PLANS: Shelf[_Plan] = Shelf(4)
 
 
@@ -628,11 +626,10 @@ def _replayed_layout(view: memoryview, variant: str | None) -> _Layout | None:
 
 def _learn(view: memoryview, variant: str | None, layout: _Layout) -> None:
     tensors = layout.tensors
-    if len(tensors) < _PLAN_MIN_TENSORS or not _PLANS.seen_before(view.nbytes):
+    if not _PLANS.learns(view, len(tensors)):
         return
-    starts = np.array([t.data_offset for t in tensors], dtype=np.int64)
-    stops = starts + np.array([t.nbytes for t in tensors], dtype=np.int64)
-    skeleton = Skeleton.of(np.frombuffer(view, dtype=np.uint8), starts, stops)
+    starts = [t.data_offset for t in tensors]
+    skeleton = Skeleton.of(view, starts, [t.data_offset + t.nbytes for t in tensors])
     if skeleton is not None:
         _PLANS.keep(_Plan(skeleton, variant, layout))
 
@@ -952,14 +949,12 @@ def _tensor(name: str, arr: Any) -> tuple[bytes, Any]:
         ndim = arr.ndim
         dims = _DIMS[ndim].pack(*map(int, arr.shape))
         head = _U32.pack(len(raw)) + raw + _U32.pack(ndim) + dims
-        if len(_HEADS) >= 1 << 14:  # a process writes a few models' records: stay bounded
-            _HEADS.clear()
-        _HEADS[key] = head
+        _HEADS.keep(key, head)
     return head, arr
 
 
 #: Tensor record headers made before, by (name, shape): every save of a model makes the same.
-_HEADS: dict[tuple[str, tuple[int, ...]], bytes] = {}
+_HEADS: Memo[tuple[str, tuple[int, ...]], bytes] = Memo(1 << 14)
 
 
 # --------------------------------------------------------------------------
@@ -1004,15 +999,12 @@ def _checked_doc(doc: Any) -> list[_LayerSpec]:
     if specs is None:
         specs = _check_doc(doc, _meta_fail)
         if key is not None:
-            if len(_CHECKED_DOCS) >= 8:
-                _CHECKED_DOCS.clear()
-            _CHECKED_DOCS[key] = specs
+            _CHECKED_DOCS.keep(key, specs)
     return specs
 
 
 #: Documents checked before (by :func:`pytreeio.plainkey.plain_key`) -> their layers' specs.
-_CHECKED_DOCS: dict[bytes, list[_LayerSpec]] = {}
-kept_by(_CHECKED_DOCS.clear)
+_CHECKED_DOCS: Memo[bytes, list[_LayerSpec]] = Memo(8)
 
 
 def _extras(doc: Mapping[str, Any], types: list[str], variant: str) -> dict[str, Any]:

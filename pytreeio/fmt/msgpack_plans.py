@@ -79,7 +79,7 @@ def learn(view: memoryview, tree: Any) -> None:
     if template is None or len(spans) < MIN_LEAVES:
         return
     starts, stops = np.array(spans, dtype=np.int64).reshape(-1, 2).T
-    skeleton = Skeleton.of(data, starts, stops)  # None: out of file order, overlapping, too large
+    skeleton = Skeleton.of(view, starts, stops)  # None: out of file order, overlapping, too large
     if skeleton is not None:
         _PLANS.keep(Plan(skeleton, template))
 

@@ -41,7 +41,7 @@ from .. import dtypes, jsonsafe, npy
 from .. import zip as zipfmt
 from ..binary import ByteSource, as_memoryview
 from ..errors import FormatError, MismatchError
-from ..layouts import kept_by
+from ..layouts import Memo
 from ..model import (
     LAYERS,
     Model,
@@ -216,10 +216,8 @@ def decode(
     layers = _checked_layers(
         entries, _split_members(arrays, len(entries), name), name, allow_missing
     )
-    if len(_LAYOUTS) >= _LAYOUTS_MAX:
-        _LAYOUTS.clear()
     member = {id(a): k for k, a in arrays.items()}  # the layers hold the members' arrays
-    _LAYOUTS[key] = [[(n, member[id(a)]) for n, a in layer.items()] for layer in layers]
+    _LAYOUTS.keep(key, [[(n, member[id(a)]) for n, a in layer.items()] for layer in layers])
     return Decoded(layers, meta)
 
 
@@ -228,9 +226,7 @@ _NETCL_NAMES = frozenset(name for names in NAMES.values() for name in names.valu
 
 #: Checked structures: (file, meta text, allow_missing, (member, shape, dtype)...) -> per
 #: layer its (netcl name, member) pairs.  Only successful checks are kept; a few suffice.
-_LAYOUTS: dict[tuple[Any, ...], list[list[tuple[str, str]]]] = {}
-_LAYOUTS_MAX = 8
-kept_by(_LAYOUTS.clear)
+_LAYOUTS: Memo[tuple[Any, ...], list[list[tuple[str, str]]]] = Memo(8)
 
 
 def _checked_layers(
