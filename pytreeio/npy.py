@@ -608,7 +608,7 @@ def encode_npz(items: Iterable[tuple[str, Any]], *, overlap: bool = False) -> li
         )
         raise EncodeError(exc.reason.replace("member name", "array name"), key_path=where) from None
     if plain is not None and npz_plans.worth_planning(plain[0]):
-        npz_plans.learn_write(*plain, b"".join(bytes(c) for c in out))
+        npz_plans.learn_write(*plain, b"".join(out))
     return out
 
 
