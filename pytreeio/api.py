@@ -213,15 +213,28 @@ def _restore_into(
 ) -> Any:
     from . import model as model_mod
     from .conversion import carried
+    from .tree import allows_extra
 
-    if model_mod.is_model_like(like):
+    shape = model_mod.model_like_shape(like)
+    if shape is not None:
         # a model format, or a generic file carrying one's native tree (see pytreeio.conversion)
         source, source_meta = (fmt, meta) if fmt.is_model_format else carried(fmt, meta)
         if source.is_model_format:
-            assert source.to_model is not None
-            fixed = {"like": like} if _takes(source.to_model, "like") else {}
-            model = _call(source.to_model, source, options, native, source_meta, **fixed)
-            return model_mod.restore_model(model, like)
+            to_model = source.to_model
+            assert to_model is not None
+
+            def through_model() -> Any:
+                fixed = {"like": like} if _takes(to_model, "like") else {}
+                model = _call(to_model, source, options, native, source_meta, **fixed)
+                return model_mod.restore_model(model, like)
+
+            if shape != "flax":
+                return through_model()
+            from . import restore_plans  # the same restore as a training run's last one, kept
+
+            return restore_plans.restore(
+                fmt.name, native, meta, like, options, allows_extra(), through_model
+            )
     return _call(fmt.restore, fmt, options, native, meta, like)
 
 

@@ -937,6 +937,13 @@ def is_model_like(tree: Any) -> bool:
     return _parts(tree) is not None
 
 
+def model_like_shape(tree: Any) -> str | None:
+    """What model-shaped tree ``tree`` is: ``"flax"`` (a params tree or variables dict),
+    ``"state"`` (``{'params', 'opt_state', 'step'}``), ``"train_state"``; None: not one."""
+    parts = _parts(tree)
+    return None if parts is None else parts.shape
+
+
 def _slot_views(params: Any, model: Model) -> list[tuple[Any, list[tuple[str, ...]]]]:
     """``(tree, parameter paths)`` the optimizer may have been initialised on, likeliest first.
 

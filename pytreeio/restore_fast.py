@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["same_plain_tree", "fast_restore", "host_only"]
+__all__ = ["same_plain_tree", "fast_restore", "host_only", "orjson_dumps", "fill_like"]
 
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
@@ -35,7 +35,9 @@ _SHARDING = operator.attrgetter("sharding")
 _DUMPS: list[Any] = []  # [orjson.dumps or None, its options], looked up on first use
 
 
-def _dumps() -> list[Any]:
+def orjson_dumps() -> list[Any]:
+    """``[orjson.dumps, its options]`` for structure texts (leaves to ``default``), or
+    ``[None, 0]`` without orjson."""
     if not _DUMPS:
         try:
             import orjson
@@ -101,7 +103,7 @@ def fast_restore(native: dict[Any, Any], like: dict[Any, Any], convert: bool) ->
     placed = _placed(native_leaves, like_leaves)
     if placed is None:
         return None
-    return _fill(like, iter(placed))
+    return fill_like(like, iter(placed))
 
 
 def host_only(tree: Any) -> bool:
@@ -114,7 +116,7 @@ def host_only(tree: Any) -> bool:
     Such a tree places nothing on devices; the check costs a tenth of jax's
     own flatten.
     """
-    dumps, opts = _dumps()
+    dumps, opts = orjson_dumps()
     if dumps is None:
         return False
     leaves: list[Any] = []
@@ -131,7 +133,7 @@ def _plain_leaves(
     """Both trees' leaves in order, where both are the same nesting of str-keyed dicts."""
     like_leaves: list[Any] = []
     native_leaves: list[Any] = []
-    dumps, opts = _dumps()
+    dumps, opts = orjson_dumps()
     if dumps is not None:
         try:
             text = dumps(like, default=like_leaves.append, option=opts)
@@ -216,9 +218,9 @@ def _placed(native_leaves: list[Any], like_leaves: list[Any]) -> list[Any] | Non
     return out
 
 
-def _fill(like: dict[str, Any], leaves: Any) -> dict[str, Any]:
+def fill_like(like: dict[str, Any], leaves: Any) -> dict[str, Any]:
     """``like``'s nesting of dicts (its key order) with the next of ``leaves`` at each leaf."""
-    return {k: _fill(v, leaves) if type(v) is dict else next(leaves) for k, v in like.items()}
+    return {k: fill_like(v, leaves) if type(v) is dict else next(leaves) for k, v in like.items()}
 
 
 def _collect(native: dict[Any, Any], like: dict[Any, Any], nl: list[Any], ll: list[Any]) -> bool:

@@ -1,0 +1,285 @@
+"""Kept restores (pytreeio.restore_plans): a load into a Flax params tree of a layout restored
+before gives exactly what the full path through the common model form gives."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pytreeio as ptio
+from pytreeio import model, restore_plans
+from pytreeio.errors import MismatchError
+
+MODEL_FORMATS = {
+    "netcl-params": "m.npz",
+    "netcl": "m.npz",
+    "netcl-checkpoint": "ck",
+    "datacode": "m.nn",
+    "bullet": "b",
+    "waffe2": "w",
+}
+
+
+def _tree(n: int = 12) -> dict[str, Any]:
+    rng = np.random.default_rng(n)
+    return {
+        "params": {
+            f"Dense_{i}": {
+                "kernel": rng.standard_normal((3, 4), dtype=np.float32),
+                "bias": rng.standard_normal(4, dtype=np.float32),
+            }
+            if i % 2 == 0
+            else {
+                "kernel": rng.standard_normal((4, 3), dtype=np.float32),
+                "bias": rng.standard_normal(3, dtype=np.float32),
+            }
+            for i in range(n)
+        }
+    }
+
+
+def _flat(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(tree, dict):
+        return [kv for k, v in tree.items() for kv in _flat(v, f"{prefix}/{k}")]
+    return [(prefix, tree)]
+
+
+def _assert_same(got: Any, want: Any) -> None:
+    """Same nesting (key order too), and leaves of the same kind, layout and bits."""
+    g, w = _flat(got), _flat(want)
+    assert [k for k, _ in g] == [k for k, _ in w]
+    for (k, a), (_, b) in zip(g, w):
+        assert type(a) is type(b), k
+        assert (a.shape, a.dtype, a.strides) == (b.shape, b.dtype, b.strides), k
+        assert a.tobytes() == b.tobytes(), k
+
+
+def _outcome(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except MismatchError as exc:
+        return ("error", type(exc), exc.key_path)
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Calls of the full path (``model.restore_model``)."""
+    calls: list[int] = []
+    full = model.restore_model
+
+    def counting(m: Any, like: Any) -> Any:
+        calls.append(1)
+        return full(m, like)
+
+    monkeypatch.setattr(model, "restore_model", counting)
+    return calls
+
+
+@pytest.mark.parametrize("fmt", MODEL_FORMATS)
+def test_a_kept_restore_is_the_full_restore(tmp_path: Path, fmt: str, counted: list[int]) -> None:
+    tree = _tree()
+    path = tmp_path / MODEL_FORMATS[fmt]
+    ptio.save(path, tree, format=fmt)
+    ptio.forget_layouts()
+    full = ptio.load(path, format=fmt, like=tree)
+    again = ptio.load(path, format=fmt, like=tree)  # the second restore of a layout keeps it
+    assert counted == [1, 1]
+    kept = [ptio.load(path, format=fmt, like=tree) for _ in range(3)]
+    assert counted == [1, 1], "the restores after the second are the kept one"
+    _assert_same(again, full)
+    for got in kept:
+        _assert_same(got, full)
+        assert got is not tree and got["params"] is not tree["params"]
+    assert kept[0]["params"] is not kept[1]["params"]  # fresh containers every time
+    _assert_same(tree, _tree())  # like untouched
+
+
+def test_transposed_arrays_are_kept_as_views(tmp_path: Path) -> None:
+    """cl-waffe2 stores kernels transposed: the kept restore makes the same views."""
+    tree = _tree()
+    ptio.save(tmp_path / "w", tree, format="waffe2")
+    ptio.forget_layouts()
+    full = ptio.load(tmp_path / "w", format="waffe2", like=tree)
+    ptio.load(tmp_path / "w", format="waffe2", like=tree)
+    kept = ptio.load(tmp_path / "w", format="waffe2", like=tree)
+    _assert_same(kept, full)
+    views = [v for plan in restore_plans._PLANS.values() for v in plan.views]
+    assert {how for _, how, _ in views} == {"", "transpose"}
+    assert not kept["params"]["Dense_0"]["kernel"].flags.c_contiguous
+
+
+def _variants(tree: dict[str, Any]) -> dict[str, Any]:
+    """``like`` trees that differ from ``tree`` in one way each."""
+    p = tree["params"]
+
+    def with_module(name: str, module: Any) -> dict[str, Any]:
+        return {"params": {**p, name: module}}
+
+    out: dict[str, Any] = {
+        "shape": with_module("Dense_3", {**p["Dense_3"], "bias": np.zeros(5, np.float32)}),
+        "dtype": with_module("Dense_1", {**p["Dense_1"], "kernel": p["Dense_1"]["kernel"].astype(np.float64)}),
+        "order": {"params": dict(reversed(p.items()))},
+        "leaf order": with_module("Dense_2", {"bias": p["Dense_2"]["bias"], "kernel": p["Dense_2"]["kernel"]}),
+        "missing module": {"params": {k: v for k, v in p.items() if k != "Dense_5"}},
+        "missing leaf": with_module("Dense_4", {"kernel": p["Dense_4"]["kernel"]}),
+        "extra module": with_module("Dense_99", p["Dense_0"]),
+        "extra leaf": with_module("Dense_0", {**p["Dense_0"], "scale": p["Dense_0"]["bias"]}),
+        "renamed": {"params": {k.replace("Dense", "layers"): v for k, v in p.items()}},
+        "variables": {"params": p, "batch_stats": {}},
+        "bare params": p,
+        "scalar leaf": with_module("Dense_6", {**p["Dense_6"], "bias": 0.0}),
+        "none leaf": with_module("Dense_6", {**p["Dense_6"], "bias": None}),
+        "list module": with_module("Dense_7", [p["Dense_7"]["kernel"], p["Dense_7"]["bias"]]),
+        "f-order leaf": with_module(
+            "Dense_8", {**p["Dense_8"], "kernel": np.asfortranarray(p["Dense_8"]["kernel"])}
+        ),
+    }  # fmt: skip
+    import jax
+
+    out["jax leaf"] = with_module("Dense_2", {**p["Dense_2"], "bias": jax.numpy.asarray(p["Dense_2"]["bias"])})  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["netcl-params", "datacode", "waffe2"])
+@pytest.mark.parametrize("partial", [False, True])
+def test_every_other_like_gets_what_the_full_path_gives(
+    tmp_path: Path, fmt: str, partial: bool
+) -> None:
+    tree = _tree()
+    path = tmp_path / MODEL_FORMATS[fmt]
+    ptio.save(path, tree, format=fmt)
+    for name, like in _variants(tree).items():
+
+        def load(like: Any = like) -> Any:
+            return ptio.load(path, format=fmt, like=like, partial=partial)
+
+        ptio.forget_layouts()
+        want = _outcome(load)
+        for _ in range(3):  # the tree's own restore kept, then this like's (from the second)
+            ptio.load(path, format=fmt, like=tree)
+            got = _outcome(load)
+            if isinstance(want, tuple):
+                assert got == want, name
+            else:
+                assert not isinstance(got, tuple), (name, got)
+                assert [k for k, _ in _flat(got)] == [k for k, _ in _flat(want)], name
+                for (k, a), (_, b) in zip(_flat(got), _flat(want)):
+                    assert type(a) is type(b) and np.array_equal(np.asarray(a), np.asarray(b)), k
+
+
+def _leaves(n: int) -> list[np.ndarray]:
+    return [np.full((2, 3), i, np.float32) for i in range(n)]
+
+
+def _like(native: list[np.ndarray]) -> dict[str, Any]:
+    return {"params": {f"Dense_{i}": {"kernel": a.copy()} for i, a in enumerate(native)}}
+
+
+def _placed(native: list[np.ndarray]) -> Callable[[], Any]:
+    return lambda: {"params": {f"Dense_{i}": {"kernel": a} for i, a in enumerate(native)}}
+
+
+def _learn(args: tuple[Any, ...], full: Callable[[], Any]) -> None:
+    """Restore twice: a plan is kept from the second restore of a key."""
+    for _ in range(2):
+        restore_plans.restore(*args, full)
+
+
+def _refused() -> Any:
+    raise AssertionError("the full path was taken")
+
+
+def test_a_plan_is_used_only_for_equal_inputs() -> None:
+    ptio.forget_layouts()
+    native = _leaves(4)
+    like = _like(native)
+    _learn(("f", {"w": native}, {"m": 1}, like, {"o": 1}, False), _placed(native))
+    again = _leaves(4)
+    got = restore_plans.restore("f", {"w": again}, {"m": 1}, like, {"o": 1}, False, _refused)
+    assert [m["kernel"] for m in got["params"].values()] == again  # the new arrays, in place
+    assert all(a is b for a, b in zip((m["kernel"] for m in got["params"].values()), again))
+    changed: dict[str, tuple[Any, ...]] = {
+        "format": ("g", {"w": again}, {"m": 1}, like, {"o": 1}, False),
+        "meta": ("f", {"w": again}, {"m": 2}, like, {"o": 1}, False),
+        "meta type": ("f", {"w": again}, {"m": True}, like, {"o": 1}, False),
+        "options": ("f", {"w": again}, {"m": 1}, like, {"o": 2}, False),
+        "partial": ("f", {"w": again}, {"m": 1}, like, {"o": 1}, True),
+        "native nesting": ("f", {"v": again}, {"m": 1}, like, {"o": 1}, False),
+        "native dtype": ("f", {"w": [a.astype(np.float64) for a in again]}, {"m": 1}, like, {"o": 1}, False),
+        "native strides": ("f", {"w": [np.asfortranarray(a) for a in again]}, {"m": 1}, like, {"o": 1}, False),
+        "native shape": ("f", {"w": [a.reshape(3, 2) for a in again]}, {"m": 1}, like, {"o": 1}, False),
+        "native None": ("f", {"w": [*again[:3], None]}, {"m": 1}, like, {"o": 1}, False),
+        "like shape": ("f", {"w": again}, {"m": 1}, _like([a.reshape(3, 2) for a in again]), {"o": 1}, False),
+        "like dtype": ("f", {"w": again}, {"m": 1}, _like([a.astype(np.int32) for a in again]), {"o": 1}, False),
+    }  # fmt: skip
+    for name, args in changed.items():
+        calls: list[int] = []
+
+        def full(calls: list[int] = calls) -> Any:
+            calls.append(1)
+            return "full"
+
+        assert restore_plans.restore(*args, full) == "full", name
+        assert calls == [1], name
+
+
+def test_kept_only_when_the_result_is_the_native_arrays_each_once() -> None:
+    native = _leaves(3)
+    like = _like(native)
+    results: dict[str, Callable[[], Any]] = {
+        "copies": lambda: {"params": {f"Dense_{i}": {"kernel": a.copy()} for i, a in enumerate(native)}},
+        "one twice": lambda: {"params": {f"Dense_{i}": {"kernel": native[0]} for i in range(3)}},
+        "other nesting": lambda: {"params": {f"Dense_{i}": a for i, a in enumerate(native)}},
+        "a converted array": _placed([*native[:2], native[2].astype(np.float64)]),
+        "a slice": _placed([*native[:2], native[2][:, :2]]),
+    }  # fmt: skip
+    for name, result in results.items():
+        ptio.forget_layouts()
+        _learn(("f", native, {}, like, {}, False), result)
+        assert not restore_plans._PLANS, name
+    ptio.forget_layouts()
+    _learn(("f", [*native, _leaves(1)[0]], {}, like, {}, False), _placed(native))
+    assert not restore_plans._PLANS, "a native array unused"
+    restore_plans.restore("f", native, {}, like, {}, False, _placed(native))
+    assert not restore_plans._PLANS, "kept from the second restore"
+    restore_plans.restore("f", native, {}, like, {}, False, _placed(native))
+    assert restore_plans._PLANS
+
+
+def test_views_are_made_again_from_the_new_arrays() -> None:
+    ptio.forget_layouts()
+    native = [np.arange(6, dtype=np.float32).reshape(2, 3), np.arange(4, dtype=np.float32)]
+    like = {
+        "Dense_0": {"kernel": np.zeros((3, 2), np.float32), "bias": np.zeros((2, 2), np.float32)}
+    }
+
+    def full() -> Any:
+        return {"Dense_0": {"kernel": native[0].T, "bias": native[1].reshape(2, 2)}}
+
+    _learn(("f", native, {}, like, {}, False), full)
+    again = [native[0] + 10, native[1] + 10]
+    got = restore_plans.restore("f", again, {}, like, {}, False, _refused)
+    np.testing.assert_array_equal(got["Dense_0"]["kernel"], again[0].T)
+    np.testing.assert_array_equal(got["Dense_0"]["bias"], again[1].reshape(2, 2))
+    assert np.shares_memory(got["Dense_0"]["kernel"], again[0])
+    assert np.shares_memory(got["Dense_0"]["bias"], again[1])
+
+
+def test_a_failed_restore_is_not_kept() -> None:
+    ptio.forget_layouts()
+    native = _leaves(2)
+
+    def fails() -> Any:
+        raise MismatchError("no", key_path="params/Dense_0")
+
+    with pytest.raises(MismatchError):
+        restore_plans.restore("f", native, {}, _like(native), {}, False, fails)
+    with pytest.raises(MismatchError):
+        restore_plans.restore("f", native, {}, _like(native), {}, False, fails)
+    assert not restore_plans._PLANS
+    with pytest.raises(MismatchError):  # and the next one is not served from anything
+        restore_plans.restore("f", native, {}, _like(native), {}, False, fails)
