@@ -59,7 +59,6 @@ bytes that remain before anything is read or allocated.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import struct
@@ -620,7 +619,7 @@ def _replayed_layout(view: memoryview, variant: str | None) -> _Layout | None:
     (json_len,) = _U32.unpack_from(view, 12)  # a skeleton byte: as when the plan was made
     # The document passed every check when the plan was made, from these very bytes: the
     # plain parser's result is the checked one's (no hooks, several times faster).
-    doc = json.loads(view[_HEADER : _HEADER + json_len].tobytes())
+    doc = jsonsafe.loads_again(view[_HEADER : _HEADER + json_len].tobytes())
     return replace(plan.layout, doc=doc)
 
 

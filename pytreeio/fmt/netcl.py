@@ -208,7 +208,7 @@ def decode(
     if layout is not None:
         # the text passed every check when its layout was kept: the plain parser's document
         # is the checked parser's (no hooks, several times faster)
-        meta = json.loads(text) if meta is None else meta
+        meta = jsonsafe.loads_again(text) if meta is None else meta
         return Decoded([{n: arrays[k] for n, k in pairs} for pairs in layout], meta)
     if meta is None:
         meta = _meta_document(text, role, META_KEY)
