@@ -156,20 +156,30 @@ def _encode(
     opts = dict(options)
     layers = opts.pop("layers", None)
     out_meta: dict[str, Any] | None = dict(meta) if meta is not None else None
-    if model is None and fmt.is_model_format and model_mod.is_model_like(tree):
+    shape = model_mod.model_like_shape(tree) if model is None and fmt.is_model_format else None
+    if shape is not None:
         hint = layers if layers is not None else model_mod.layer_list(meta)
-        model = model_mod.model_of(tree, layers=hint)
+        params = tree
+
+        def through_model() -> tuple[Any, Any]:
+            nonlocal model
+            model = model_mod.model_of(params, layers=hint)
+            return _from_model(fmt, model, opts, out_meta, lossy)
+
+        if shape == "flax" and not _takes(fmt.encode, "model"):
+            from . import model_plans  # the same save as a training run's last one, kept
+
+            documents = (opts, layers, out_meta, lossy)
+            tree, out_meta = model_plans.save(fmt.name, params, documents, through_model)
+        else:
+            tree, out_meta = through_model()
     elif model is None and layers is not None:
         raise TypeError(
             f"layers= describes a Flax model, and this tree is not one (format {fmt.name!r} "
             "takes its native tree as is)"
         )
-    if model is not None:
-        assert fmt.from_model is not None
-        fixed: dict[str, Any] = {"meta": out_meta}
-        if _takes(fmt.from_model, "lossy"):
-            fixed["lossy"] = lossy
-        tree, out_meta = _call(fmt.from_model, fmt, opts, model, **fixed)
+    elif model is not None:
+        tree, out_meta = _from_model(fmt, model, opts, out_meta, lossy)
     if out_meta and not fmt.accepts_meta:
         warnings.warn(
             f"format {fmt.name!r} cannot store meta; dropping {sorted(out_meta)}",
@@ -183,6 +193,17 @@ def _encode(
     if _takes(fmt.encode, "dest"):
         enc_fixed["dest"] = os.fspath(dest) if dest is not None else None
     return _call(fmt.encode, fmt, opts, tree, **enc_fixed)
+
+
+def _from_model(
+    fmt: Format, model: Any, opts: Mapping[str, Any], meta: dict[str, Any] | None, lossy: bool
+) -> tuple[Any, Any]:
+    """``fmt.from_model(model, ...)``: the native tree and meta document of ``model``."""
+    assert fmt.from_model is not None
+    fixed: dict[str, Any] = {"meta": meta}
+    if _takes(fmt.from_model, "lossy"):
+        fixed["lossy"] = lossy
+    return _call(fmt.from_model, fmt, opts, model, **fixed)
 
 
 def _takes(fn: Any, name: str) -> bool:
@@ -230,9 +251,9 @@ def _restore_into(
 
             if shape != "flax":
                 return through_model()
-            from . import restore_plans  # the same restore as a training run's last one, kept
+            from . import model_plans  # the same restore as a training run's last one, kept
 
-            return restore_plans.restore(
+            return model_plans.restore(
                 fmt.name, native, meta, like, options, allows_extra(), through_model
             )
     return _call(fmt.restore, fmt, options, native, meta, like)

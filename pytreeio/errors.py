@@ -9,6 +9,7 @@ asked for (``like=``, ``meta=``) is a :class:`MismatchError`.  Both derive from
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 __all__ = [
@@ -31,6 +32,23 @@ class PytreeioError(Exception):
 
 class PytreeioWarning(UserWarning):
     """Something was dropped or only partly saved (the message says what)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        # ``warnings.warn`` makes the warning before its filters decide whether to show it
+        _MADE.count = getattr(_MADE, "count", 0) + 1
+
+
+_MADE = threading.local()
+
+
+def warnings_made() -> int:
+    """How many :class:`PytreeioWarning`\\ s this thread has made (shown or filtered).
+
+    Work kept for reuse (:mod:`pytreeio.model_plans`) is not kept from a call
+    that warned: a repeat of it must warn again.
+    """
+    return getattr(_MADE, "count", 0)
 
 
 class FormatError(PytreeioError, ValueError):

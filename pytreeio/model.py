@@ -560,11 +560,13 @@ class Model:
             kind = _module_kind(name, module, stats)
             spec = LAYERS[kind]
             _check_leaf_names(name, module, spec.params, "params")
+            _check_arrays(module, f"params/{name}")
             per_layer[i] = dict(module)
             if spec.stats:
                 st = stats.get(name)
                 if st is not None:
                     _check_leaf_names(name, st, spec.stats, "batch_stats")
+                    _check_arrays(st, f"batch_stats/{name}")
                     per_layer[i].update(st)
         extra = sorted(set(stats) - set(params))
         if extra:
@@ -863,6 +865,17 @@ def _module_kind(name: str, module: Any, stats: Mapping[str, Any]) -> str:
         key_path=f"params/{name}",
         found=sorted(map(str, module)),
     )
+
+
+def _check_arrays(module: Mapping[str, Any], where: str) -> None:
+    """Every leaf of a module is an array (numpy, jax, or anything with a shape and dtype)."""
+    for k, v in module.items():
+        if type(v) is not np.ndarray and not (hasattr(v, "shape") and hasattr(v, "dtype")):
+            raise MismatchError(
+                "a model's parameters must be arrays",
+                key_path=f"{where}/{k}",
+                found=type(v).__name__,
+            )
 
 
 def _check_leaf_names(name: str, got: Any, allowed: Sequence[str], where: str) -> None:

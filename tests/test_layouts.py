@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 import pytreeio as ptio
-from pytreeio import model, npz_plans, restore_plans, serde_json
+from pytreeio import model, model_plans, npz_plans, serde_json
 from pytreeio.fmt import bullet, datacode, msgpack_plans, netcl
 from pytreeio.fmt import safetensors as st
 
@@ -49,7 +49,8 @@ def test_forget_layouts_drops_every_kind_and_loads_still_agree(tmp_path: Path) -
         "netcl": netcl._LAYOUTS,
         "model": model._LAYOUTS,
         "documents": serde_json._WRITTEN,
-        "restores": restore_plans._PLANS,
+        "restores": model_plans._RESTORES,
+        "saves": model_plans._SAVES,
     }
     assert all(kept.values()), [k for k, v in kept.items() if not v]
     ptio.forget_layouts()
@@ -57,7 +58,7 @@ def test_forget_layouts_drops_every_kind_and_loads_still_agree(tmp_path: Path) -
         npz_plans._PLANS.plans, npz_plans._WRITE_PLANS, msgpack_plans._PLANS.plans,
         datacode._PLANS.plans, datacode._CHECKED_DOCS, bullet._RECORD_PLANS.plans,
         st._KNOWN_HEADERS, netcl._LAYOUTS, model._LAYOUTS, serde_json._WRITTEN,
-        restore_plans._PLANS,
+        model_plans._RESTORES, model_plans._SAVES,
     ]  # fmt: skip
     assert not any(gone)
     for fmt, dest in formats.items():  # worked out again, to the same result

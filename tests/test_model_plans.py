@@ -1,8 +1,11 @@
-"""Kept restores (pytreeio.restore_plans): a load into a Flax params tree of a layout restored
-before gives exactly what the full path through the common model form gives."""
+"""Kept conversions (pytreeio.model_plans): a load into, or a save of, a Flax params tree of a
+layout mapped before gives exactly what the full path through the common model form gives."""
 
 from __future__ import annotations
 
+import gc
+import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,8 +14,8 @@ import numpy as np
 import pytest
 
 import pytreeio as ptio
-from pytreeio import model, restore_plans
-from pytreeio.errors import MismatchError
+from pytreeio import model, model_plans
+from pytreeio.errors import MismatchError, PytreeioWarning
 
 MODEL_FORMATS = {
     "netcl-params": "m.npz",
@@ -107,7 +110,7 @@ def test_transposed_arrays_are_kept_as_views(tmp_path: Path) -> None:
     ptio.load(tmp_path / "w", format="waffe2", like=tree)
     kept = ptio.load(tmp_path / "w", format="waffe2", like=tree)
     _assert_same(kept, full)
-    views = [v for plan in restore_plans._PLANS.values() for v in plan.views]
+    views = [v for plan in model_plans._RESTORES.values() for v in plan.views]
     assert {how for _, how, _ in views} == {"", "transpose"}
     assert not kept["params"]["Dense_0"]["kernel"].flags.c_contiguous
 
@@ -186,7 +189,7 @@ def _placed(native: list[np.ndarray]) -> Callable[[], Any]:
 def _learn(args: tuple[Any, ...], full: Callable[[], Any]) -> None:
     """Restore twice: a plan is kept from the second restore of a key."""
     for _ in range(2):
-        restore_plans.restore(*args, full)
+        model_plans.restore(*args, full)
 
 
 def _refused() -> Any:
@@ -199,7 +202,7 @@ def test_a_plan_is_used_only_for_equal_inputs() -> None:
     like = _like(native)
     _learn(("f", {"w": native}, {"m": 1}, like, {"o": 1}, False), _placed(native))
     again = _leaves(4)
-    got = restore_plans.restore("f", {"w": again}, {"m": 1}, like, {"o": 1}, False, _refused)
+    got = model_plans.restore("f", {"w": again}, {"m": 1}, like, {"o": 1}, False, _refused)
     assert [m["kernel"] for m in got["params"].values()] == again  # the new arrays, in place
     assert all(a is b for a, b in zip((m["kernel"] for m in got["params"].values()), again))
     changed: dict[str, tuple[Any, ...]] = {
@@ -223,7 +226,7 @@ def test_a_plan_is_used_only_for_equal_inputs() -> None:
             calls.append(1)
             return "full"
 
-        assert restore_plans.restore(*args, full) == "full", name
+        assert model_plans.restore(*args, full) == "full", name
         assert calls == [1], name
 
 
@@ -240,14 +243,14 @@ def test_kept_only_when_the_result_is_the_native_arrays_each_once() -> None:
     for name, result in results.items():
         ptio.forget_layouts()
         _learn(("f", native, {}, like, {}, False), result)
-        assert not restore_plans._PLANS, name
+        assert not model_plans._RESTORES, name
     ptio.forget_layouts()
     _learn(("f", [*native, _leaves(1)[0]], {}, like, {}, False), _placed(native))
-    assert not restore_plans._PLANS, "a native array unused"
-    restore_plans.restore("f", native, {}, like, {}, False, _placed(native))
-    assert not restore_plans._PLANS, "kept from the second restore"
-    restore_plans.restore("f", native, {}, like, {}, False, _placed(native))
-    assert restore_plans._PLANS
+    assert not model_plans._RESTORES, "a native array unused"
+    model_plans.restore("f", native, {}, like, {}, False, _placed(native))
+    assert not model_plans._RESTORES, "kept from the second restore"
+    model_plans.restore("f", native, {}, like, {}, False, _placed(native))
+    assert model_plans._RESTORES
 
 
 def test_views_are_made_again_from_the_new_arrays() -> None:
@@ -262,7 +265,7 @@ def test_views_are_made_again_from_the_new_arrays() -> None:
 
     _learn(("f", native, {}, like, {}, False), full)
     again = [native[0] + 10, native[1] + 10]
-    got = restore_plans.restore("f", again, {}, like, {}, False, _refused)
+    got = model_plans.restore("f", again, {}, like, {}, False, _refused)
     np.testing.assert_array_equal(got["Dense_0"]["kernel"], again[0].T)
     np.testing.assert_array_equal(got["Dense_0"]["bias"], again[1].reshape(2, 2))
     assert np.shares_memory(got["Dense_0"]["kernel"], again[0])
@@ -277,9 +280,146 @@ def test_a_failed_restore_is_not_kept() -> None:
         raise MismatchError("no", key_path="params/Dense_0")
 
     with pytest.raises(MismatchError):
-        restore_plans.restore("f", native, {}, _like(native), {}, False, fails)
+        model_plans.restore("f", native, {}, _like(native), {}, False, fails)
     with pytest.raises(MismatchError):
-        restore_plans.restore("f", native, {}, _like(native), {}, False, fails)
-    assert not restore_plans._PLANS
+        model_plans.restore("f", native, {}, _like(native), {}, False, fails)
+    assert not model_plans._RESTORES
     with pytest.raises(MismatchError):  # and the next one is not served from anything
-        restore_plans.restore("f", native, {}, _like(native), {}, False, fails)
+        model_plans.restore("f", native, {}, _like(native), {}, False, fails)
+
+
+def test_a_restore_that_warned_is_not_kept() -> None:
+    ptio.forget_layouts()
+    native = _leaves(2)
+
+    def warns() -> Any:
+        warnings.warn("dropping something", PytreeioWarning, stacklevel=2)
+        return _placed(native)()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # filtered out, still made: a repeat must make it again
+        for _ in range(3):
+            model_plans.restore("f", native, {}, _like(native), {}, False, warns)
+    assert not model_plans._RESTORES
+
+
+# --------------------------------------------------------------------------
+# saves
+# --------------------------------------------------------------------------
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    if path.is_dir():
+        return {
+            str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
+        }
+    siblings = sorted(path.parent.glob(path.name + "*"))
+    return {p.name: p.read_bytes() for p in siblings}
+
+
+@pytest.fixture
+def modelled(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Calls of the full save path (``model.model_of``)."""
+    calls: list[int] = []
+    full = model.model_of
+
+    def counting(tree: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return full(tree, **kw)
+
+    monkeypatch.setattr(model, "model_of", counting)
+    return calls
+
+
+SAVED_FORMATS = [f for f in MODEL_FORMATS if f != "netcl"]  # netcl's encode takes the Model
+
+
+@pytest.mark.parametrize("fmt", SAVED_FORMATS)
+def test_a_kept_save_writes_the_full_saves_bytes(
+    tmp_path: Path, fmt: str, modelled: list[int]
+) -> None:
+    tree = _tree()
+    path = tmp_path / MODEL_FORMATS[fmt]  # one path: cl-waffe2 writes it into its files
+    ptio.forget_layouts()
+    ptio.save(path, tree, format=fmt)
+    want = _files(path)
+    for _ in range(4):
+        ptio.save(path, tree, format=fmt)
+        assert _files(path) == want
+    assert modelled == [1, 1], "the saves after the second are the kept one"
+    other = _tree()  # new arrays, new values: the kept plan places them
+    for module in other["params"].values():
+        module["kernel"] = module["kernel"] + 1
+    ptio.save(path, other, format=fmt)
+    kept = _files(path)
+    assert kept != want
+    ptio.forget_layouts()
+    ptio.save(path, other, format=fmt)
+    assert _files(path) == kept
+    assert modelled == [1, 1, 1]
+
+
+@pytest.mark.parametrize("fmt", ["netcl-params", "datacode", "bullet"])
+def test_every_other_tree_saves_as_the_full_path_saves_it(tmp_path: Path, fmt: str) -> None:
+    tree = _tree()
+    dest = MODEL_FORMATS[fmt]
+    for name, other in _variants(tree).items():
+        full, kept = tmp_path / name / "full", tmp_path / name / "kept"
+        full.mkdir(parents=True)
+        kept.mkdir()
+
+        def save(to: Path, other: Any = other) -> Any:
+            try:
+                ptio.save(to / dest, other, format=fmt)
+            except (MismatchError, TypeError, ValueError) as exc:
+                return type(exc), str(exc)
+            return _files(to / dest)
+
+        ptio.forget_layouts()
+        want = save(full)
+        for _ in range(3):  # the tree's own save kept, then this tree's (from the second)
+            ptio.save(kept / dest, tree, format=fmt)
+            assert save(kept) == want, name
+
+
+def test_a_save_plan_is_used_only_for_equal_documents() -> None:
+    ptio.forget_layouts()
+    arrays = _leaves(3)
+    params = _like(arrays)
+    native = {"w": arrays}
+    docs = ({"o": 1}, None, {"m": [1, 2]}, False)
+
+    def full() -> Any:
+        flat = [m["kernel"] for m in params["params"].values()]
+        return {"w": flat}, {"made": [1]}
+
+    for _ in range(2):
+        model_plans.save("f", params, docs, full)
+    again = _like(_leaves(3))
+    got, meta = model_plans.save("f", again, docs, _refused)
+    assert all(a is b for a, b in zip(got["w"], (m["kernel"] for m in again["params"].values())))
+    assert meta == {"made": [1]}
+    meta["made"].append(2)  # the caller's copy: the kept document is not touched
+    assert model_plans.save("f", again, docs, _refused)[1] == {"made": [1]}
+    assert native["w"] is arrays
+    for changed in (
+        ({"o": 2}, None, {"m": [1, 2]}, False),
+        ({"o": 1}, [{"type": "Linear"}], {"m": [1, 2]}, False),
+        ({"o": 1}, None, {"m": [1, 2.0]}, False),
+        ({"o": 1}, None, {"m": [1, 2]}, True),
+    ):
+        assert model_plans.save("f", again, changed, lambda: ("full", None)) == ("full", None)
+
+
+def test_plans_hold_no_arrays(tmp_path: Path) -> None:
+    ptio.forget_layouts()
+    tree = _tree()
+    for _ in range(3):
+        ptio.save(tmp_path / "m.nn", tree, format="datacode")
+        loaded = ptio.load(tmp_path / "m.nn", like=tree)
+    assert model_plans._SAVES and model_plans._RESTORES
+    refs = [weakref.ref(a) for m in tree["params"].values() for a in m.values()]
+    refs += [weakref.ref(a) for m in loaded["params"].values() for a in m.values()]
+    del tree, loaded
+    gc.collect()
+    assert all(r() is None for r in refs)
