@@ -4,7 +4,8 @@ A training run saves and loads the same structure again and again, so work
 that is a pure function of a checkpoint's framing is kept after the first
 times: replay plans of file skeletons (:mod:`pytreeio.skeleton`: npz, msgpack,
 DataCode, bullet records), safetensors headers, checked layer lists, written
-JSON documents.  Each is small and bounded (a few per kind, each at most a
+JSON documents, model formats' mappings to and from Flax params trees
+(:mod:`pytreeio.model_plans`).  Each is small and bounded (a few per kind, each at most a
 few MB); :func:`forget_layouts` drops them all, to return the memory or to
 measure a first load.
 """
