@@ -27,7 +27,7 @@ the full path, which also words every error.
 Structures are compared as ``orjson`` text, leaves written as ``null`` and
 collected in order; a text whose ``null`` count differs from its leaves (a
 ``None`` or NaN in the tree) is not kept.  Plans hold shapes, names and
-documents, never arrays.
+documents, never arrays, for trees of up to :data:`MAX_LEAVES` arrays.
 """
 
 from __future__ import annotations
@@ -48,6 +48,11 @@ from .plainkey import plain_key
 from .restore_fast import orjson_dumps
 
 __all__ = ["restore", "save"]
+
+#: Plans are made for trees of at most this many arrays, whose texts and documents take at
+#: most this many bytes: each plan stays within a few MB.
+MAX_LEAVES = 1 << 14
+MAX_KEY_BYTES = 2 << 20
 
 _SOURCE_SPEC = operator.attrgetter("shape", "dtype", "strides")
 _LIKE_SPEC = operator.attrgetter("shape", "dtype")
@@ -121,8 +126,11 @@ def _inputs(
     flax_text, flax_leaves = (source_text, sources) if like is None else (like_text, like_leaves)
     if not _dicts_only(flax_text, flax_leaves):
         return None
-    keys = [plain_key(d) for d in documents]
-    if None in keys:
+    if len(sources) > MAX_LEAVES:
+        return None
+    keys = [k for k in map(plain_key, documents) if k is not None]
+    size = len(source_text) + len(like_text) + sum(map(len, keys))
+    if len(keys) != len(documents) or size > MAX_KEY_BYTES:
         return None
     key = (kind, format_name, *keys, source_text, like_text)
     return _Inputs(key, sources, like_leaves, like_text)

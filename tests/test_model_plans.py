@@ -423,3 +423,23 @@ def test_plans_hold_no_arrays(tmp_path: Path) -> None:
     del tree, loaded
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_no_plans_for_trees_beyond_the_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    native = _leaves(4)
+    params = _like(native)
+    flat = [m["kernel"] for m in params["params"].values()]
+
+    def both() -> None:
+        _learn(("f", native, {}, _like(native), {}, False), _placed(native))
+        for _ in range(2):
+            model_plans.save("f", params, (None,), lambda: ({"w": flat}, {}))
+
+    for bound, value in (("MAX_LEAVES", 3), ("MAX_KEY_BYTES", 64)):
+        ptio.forget_layouts()
+        with monkeypatch.context() as m:
+            m.setattr(model_plans, bound, value)
+            both()
+            assert not model_plans._RESTORES and not model_plans._SAVES, bound
+        both()
+        assert model_plans._RESTORES and model_plans._SAVES
