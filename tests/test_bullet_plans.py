@@ -92,3 +92,28 @@ def test_mutated_files_walk_as_the_walk_walks_them(data: st.DataObject) -> None:
     _walk(whole)
     mutated = bytes_changed(whole, data, [0, 0x0A, 0x20, 0x7F, 0x80, 0xFF])
     assert _walk(mutated) == _walked(mutated)
+
+
+def _shaped(weights: dict[str, np.ndarray]) -> dict[str, Any]:
+    files = bullet.encode({"weights": weights}).files
+    native = bullet.decode({k: v.tobytes() for k, v in files.items()}).tree
+    return {k: (a.shape, list(native["weights"]).index(k)) for k, a in native["weights"].items()}
+
+
+def test_kept_shapes_and_order_are_those_of_each_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shapes and model order are kept by the records' ids, counts and dims: files that
+    differ in any of them get their own, as without the memo."""
+    rng = np.random.default_rng(3)
+    variants = [
+        {"l0w": (3, 2), "l0b": (2,), "l1w": (2, 4), "l1b": (4,)},
+        {"l0w": (2, 3), "l0b": (3,), "l1w": (3, 4), "l1b": (4,)},  # same counts, other dims
+        {"l1w": (2, 4), "l1b": (4,), "l0w": (3, 2), "l0b": (2,)},  # other file order
+        {"l0w": (3, 2), "l0b": (2,), "l1w": (2, 4), "l1b": (4,), "extra": (5,)},
+    ]
+    trees = [{k: rng.standard_normal(s, dtype=np.float32) for k, s in v.items()} for v in variants]
+    fresh = []
+    for tree in trees:
+        monkeypatch.setattr(bullet, "_SHAPES", bullet.Memo(8))
+        fresh.append(_shaped(tree))
+    for _ in range(2):  # kept from the first of each
+        assert [_shaped(tree) for tree in trees] == fresh

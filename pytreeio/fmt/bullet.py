@@ -114,6 +114,7 @@ from ..errors import (
     PytreeioWarning,
     QuantisationError,
 )
+from ..layouts import Memo
 from ..model import Layer, Model
 from ..registry import (
     DIRECTORY,
@@ -711,6 +712,29 @@ def _check_shapes_option(shapes: Any, counts: Mapping[str, int]) -> dict[str, tu
             )
         out[rid] = dims
     return out
+
+
+def _shapes_and_order(
+    counts: Mapping[str, int], dims: Mapping[str, tuple[int, int] | None], shapes: Any
+) -> tuple[Mapping[str, tuple[int, ...]], Sequence[str]]:
+    """:func:`_infer_shapes` and :func:`model_order` of a weights file's records.
+
+    Both follow from the records' ids, counts and dims alone: without a ``shapes``
+    option, those of a file read before (every load of a training run's
+    checkpoints) are kept.  The results are shared: read them only.
+    """
+    if shapes is not None:
+        return _infer_shapes(counts, dims, shapes), model_order(counts)
+    key = (tuple(counts.items()), tuple(dims.items()))
+    kept = _SHAPES.get(key)
+    if kept is None:
+        kept = (_infer_shapes(counts, dims), tuple(model_order(counts)))
+        _SHAPES.keep(key, kept)
+    return kept
+
+
+#: Shapes and model order by the records' (id, count) and (id, dims) pairs.
+_SHAPES: Memo[tuple[Any, ...], tuple[dict[str, tuple[int, ...]], tuple[str, ...]]] = Memo(8)
 
 
 def _infer_shapes(
@@ -1365,8 +1389,7 @@ def decode(
         view, records = _records_of(source, WEIGHTS)
         counts = {r.id: r.count for r in records}
         dims = {r.id: r.dims for r in records}
-        all_shapes = _infer_shapes(counts, dims, shapes)
-        order = model_order(counts)
+        all_shapes, order = _shapes_and_order(counts, dims, shapes)
         by_id = _arrays(view, records, all_shapes)
         native["weights"] = {rid: by_id[rid] for rid in order}
         for part in ("momentum", "velocity", "slow"):
