@@ -170,7 +170,7 @@ def _encode(
             from . import model_plans  # the same save as a training run's last one, kept
 
             documents = (opts, layers, out_meta, lossy)
-            tree, out_meta = model_plans.save(fmt.name, params, documents, through_model)
+            tree, out_meta = model_plans.save(fmt, params, documents, through_model)
         else:
             tree, out_meta = through_model()
     elif model is None and layers is not None:
@@ -254,7 +254,7 @@ def _restore_into(
             from . import model_plans  # the same restore as a training run's last one, kept
 
             return model_plans.restore(
-                fmt.name, native, meta, like, options, allows_extra(), through_model
+                (fmt, source), native, meta, like, options, allows_extra(), through_model
             )
     return _call(fmt.restore, fmt, options, native, meta, like)
 

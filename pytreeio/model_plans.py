@@ -36,7 +36,7 @@ import io
 import itertools
 import operator
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,7 +103,7 @@ def _dicts_only(text: bytes, leaves: list[Any]) -> bool:
 
 
 def _inputs(
-    kind: str, source: Any, like: Any, documents: tuple[Any, ...], format_name: str
+    kind: str, source: Any, like: Any, documents: tuple[Any, ...], fmt: Hashable
 ) -> _Inputs | None:
     """The inputs of a mapping of ``source`` (into ``like``'s structure, for a restore).
 
@@ -132,7 +132,7 @@ def _inputs(
     size = len(source_text) + len(like_text) + sum(map(len, keys))
     if len(keys) != len(documents) or size > MAX_KEY_BYTES:
         return None
-    key = (kind, format_name, *keys, source_text, like_text)
+    key = (kind, fmt, *keys, source_text, like_text)
     return _Inputs(key, sources, like_leaves, like_text)
 
 
@@ -163,12 +163,12 @@ class _RestorePlan:
     nesting: _Nest
 
 
-#: Kept restores by ("restore", format, options, meta, partial, native text, like text).
+#: Kept restores by ("restore", format, meta, options, partial, native text, like text).
 _RESTORES: Memo[tuple[Any, ...], _RestorePlan] = Memo(8)
 
 
 def restore(
-    format_name: str,
+    fmt: Hashable,
     native: Any,
     meta: Any,
     like: Any,
@@ -178,9 +178,11 @@ def restore(
 ) -> Any:
     """``full()`` (the restore through the common model form), or its kept equal.
 
-    ``like`` must be a Flax params tree or variables dict (the caller checks).
+    ``fmt`` is the format (its functions, not only its name: a format registered
+    again is another); ``like`` must be a Flax params tree or variables dict (the
+    caller checks).
     """
-    inputs = _inputs("restore", native, like, (meta, dict(options), partial), format_name)
+    inputs = _inputs("restore", native, like, (meta, dict(options), partial), fmt)
     if inputs is None:
         return full()
     plan = _RESTORES.get(inputs.key)
@@ -258,17 +260,17 @@ _SAVES: Memo[tuple[Any, ...], _SavePlan] = Memo(8)
 
 
 def save(
-    format_name: str,
+    fmt: Hashable,
     params: Any,
     documents: tuple[Any, ...],
     full: Callable[[], tuple[Any, Any]],
 ) -> tuple[Any, Any]:
     """``full()`` (``(native, meta)`` of ``from_model(model_of(params))``), or its kept equal.
 
-    ``params`` must be a Flax params tree or variables dict (the caller checks);
+    ``fmt`` is the format; ``params`` must be a Flax params tree or variables dict (the caller checks);
     ``documents`` is everything else the mapping depends on, plain data.
     """
-    inputs = _inputs("save", params, None, documents, format_name)
+    inputs = _inputs("save", params, None, documents, fmt)
     if inputs is None:
         return full()
     plan = _SAVES.get(inputs.key)
