@@ -607,7 +607,7 @@ class _KnownHeader:
 #: Headers read before, the most recent first; headers up to this size are kept.
 _KNOWN_HEADERS: list[_KnownHeader] = []
 _KNOWN_HEADERS_MAX = 4
-_KNOWN_HEADER_BYTES = 1 << 20
+_KNOWN_HEADER_BYTES = 4 << 20
 _KNOWN_LOCK = threading.Lock()
 _SUM_MARKER = b'"' + _SUM_KEY.encode() + b'":'
 
