@@ -557,3 +557,37 @@ def test_a_structure_checked_before_is_not_checked_again(monkeypatch: pytest.Mon
         nc.decode({"model": b"".join(bytes(c) for c in npy.encode_npz(items))})
     assert calls == [1, 1, 1]
     assert len(nc._LAYOUTS) == 1  # only successful checks are kept
+
+
+def _slot_reference(value: object, like: np.ndarray) -> np.ndarray:
+    """One moment as netcl-checkpoint reads it: the parameter's float dtype where exact."""
+    arr = np.array(value, dtype=np.float64).reshape(like.shape)
+    if like.dtype.kind == "f":
+        with np.errstate(over="ignore", invalid="ignore"):
+            narrow = arr.astype(like.dtype)
+        if np.array_equal(narrow.astype(np.float64), arr, equal_nan=True):
+            return narrow
+    return arr
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_moments_are_narrowed_together_as_one_by_one(seed: int) -> None:
+    """Moments exact in their parameter's dtype come back in it, the others as float64, whether
+    read together or one by one; rows parsed as float64 arrays are not handed out themselves."""
+    rng = np.random.default_rng(seed)
+    params, values = [], []
+    for i in range(12):
+        dtype = rng.choice([np.float32, np.float16, np.float64, np.int32])
+        shape = [(2, 3), (4,), (0,), (1, 1)][i % 4]
+        params.append(np.zeros(shape, dtype))
+        v = rng.standard_normal(shape).astype(np.float32).astype(np.float64)
+        if v.size and rng.random() < 0.3:
+            v.flat[0] = rng.choice([0.1, 1e300, np.nan, -0.0, np.inf])
+        values.append(v if rng.random() < 0.5 else v.tolist())
+    got = nck._slot_list(values, params, "optim_state.moments.m")
+    for g, v, p in zip(got, values, params):
+        want = _slot_reference(v, p)
+        assert g.dtype == want.dtype and g.shape == want.shape
+        assert g.tobytes() == want.tobytes()
+        if isinstance(v, np.ndarray) and v.dtype != p.dtype:  # else decoded already: as it is
+            assert not np.shares_memory(g, v)

@@ -269,30 +269,60 @@ def _check_t(t: Any) -> int:
     return t
 
 
-def _slot_array(value: Any, like: Any, where: str) -> np.ndarray:
-    """A JSON nested list shaped like ``like``: its dtype when the numbers are exact in it, else float64."""
-    from ..optim import nested_to_array
-
-    if (
-        isinstance(value, np.ndarray)
-        and value.shape == tuple(like.shape)
-        and value.dtype == like.dtype
-    ):
-        return value  # decoded already
-    arr64 = nested_to_array(value, tuple(like.shape), where)
-    dtype = np.dtype(like.dtype)
-    if dtype.kind == "f":
-        with np.errstate(over="ignore", invalid="ignore"):
-            narrow = arr64.astype(dtype)
-        if np.array_equal(narrow.astype(np.float64), arr64, equal_nan=True):
-            return narrow
-    return arr64
-
-
 def _slot_list(values: Any, params: list[Any], field: str) -> list[np.ndarray]:
+    """Each JSON nested list shaped like its parameter: in the parameter's dtype when its
+    numbers are exact in it, else float64.
+
+    A training state has a moment per parameter: their exactness in the
+    parameters' float dtypes is checked in one pass over all of them (a few
+    numpy calls in all instead of several per moment); a group with an inexact
+    number is checked moment by moment.
+    """
     if not isinstance(values, list) or len(values) != len(params):
         raise FormatError(f"{field} must be a list of {len(params)} entries", field=field)
-    return [_slot_array(v, p, f"{field}[{i}]") for i, (v, p) in enumerate(zip(values, params))]
+    from ..optim import nested_to_array
+
+    out: list[np.ndarray] = []
+    narrow: dict[np.dtype[Any], list[int]] = {}  # float64 values to narrow, by the param's dtype
+    borrowed = []  # rows of the parsed document taken as they are
+    for i, (v, p) in enumerate(zip(values, params)):
+        shape, dtype = tuple(p.shape), np.dtype(p.dtype)
+        if isinstance(v, np.ndarray) and v.shape == shape and v.dtype == dtype:
+            out.append(v)  # decoded already
+            continue
+        if type(v) is np.ndarray and v.dtype == np.float64 and v.shape == shape:
+            out.append(v)  # a row the parser read as an array: narrowed (a copy) or copied below
+            borrowed.append(i)
+        else:
+            out.append(nested_to_array(v, shape, f"{field}[{i}]"))
+        if dtype.kind == "f":
+            narrow.setdefault(dtype, []).append(i)
+    for dtype, idx in narrow.items():
+        _narrowed(out, idx, dtype)
+    for i in borrowed:
+        if out[i] is values[i]:  # not narrowed: never share the parsed document's arrays
+            out[i] = values[i].copy()
+    return out
+
+
+def _narrowed(arrays: list[np.ndarray], idx: list[int], dtype: np.dtype[Any]) -> None:
+    """``arrays[i]`` for ``i`` in ``idx`` as ``dtype`` where every number is exact in it."""
+    wide = [arrays[i] for i in idx]
+    flat = np.concatenate([a.ravel() for a in wide]) if len(wide) > 1 else wide[0].ravel()
+    with np.errstate(over="ignore", invalid="ignore"):
+        small = flat.astype(dtype)
+    back = small.astype(np.float64)
+    if not np.array_equal(back, flat, equal_nan=True):  # one by one: which ones are exact
+        for i, a in zip(idx, wide):
+            with np.errstate(over="ignore", invalid="ignore"):
+                one = a.astype(dtype)
+            if np.array_equal(one.astype(np.float64), a, equal_nan=True):
+                arrays[i] = one
+        return
+    pos = 0
+    for i, a in zip(idx, wide):
+        arrays[i] = small[pos : pos + a.size].reshape(a.shape)
+        pos += a.size
 
 
 def _decode_optim_state(state: Any, params: list[Any]) -> dict[str, Any]:
