@@ -18,7 +18,7 @@ from conftest import bytes_changed
 from hypothesis import given, settings
 
 from pytreeio.binary import BufferSource
-from pytreeio.errors import PytreeioError
+from pytreeio.errors import MismatchError, PytreeioError
 from pytreeio.fmt import bullet
 from pytreeio.skeleton import Shelf
 
@@ -117,3 +117,38 @@ def test_kept_shapes_and_order_are_those_of_each_file(monkeypatch: pytest.Monkey
         fresh.append(_shaped(tree))
     for _ in range(2):  # kept from the first of each
         assert [_shaped(tree) for tree in trees] == fresh
+
+
+def test_kept_layouts_are_checked_again_when_the_transforms_change() -> None:
+    entry = [{"id": "l0w", "transforms": ["test-kept-transform"], "type": "f32"}]
+    bullet.register_transform("test-kept-transform", lambda arr, tensors: arr)
+    try:
+        assert bullet.validate_saved_format(entry)[0]["transforms"] == ["test-kept-transform"]
+        assert bullet.validate_saved_format(entry) == bullet.validate_saved_format(entry)
+    finally:
+        del bullet.TRANSFORMS["test-kept-transform"]
+    with pytest.raises(MismatchError, match="unknown transform"):
+        bullet.validate_saved_format(entry)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"id": "l0w", "type": "i16", "scale": 255},
+        {"id": "l0w", "type": "i16", "scale": 255.0},  # equal, not the same: refused
+        {"id": "l0w", "type": "i16"},
+        {"id": "l0w", "type": "f32", "round": 1},
+        {"id": "l0w", "type": "f32", "round": True},
+    ],
+)
+def test_kept_layouts_check_as_a_first_check(entry: dict[str, Any]) -> None:
+    def outcome() -> Any:
+        try:
+            return bullet.validate_saved_format([entry])
+        except MismatchError as exc:
+            return str(exc)
+
+    bullet._SPECS.clear()
+    first = outcome()
+    bullet.validate_saved_format([{"id": "l0w", "type": "i16", "scale": 255}])  # kept
+    assert outcome() == first and outcome() == first

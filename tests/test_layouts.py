@@ -59,7 +59,7 @@ def test_forget_layouts_drops_every_kind_and_loads_still_agree(tmp_path: Path) -
         npz_plans._PLANS.plans, npz_plans._WRITE_PLANS, msgpack_plans._PLANS.plans,
         datacode._PLANS.plans, datacode._CHECKED_DOCS, bullet._RECORD_PLANS.plans,
         st._KNOWN_HEADERS, netcl._LAYOUTS, model._LAYOUTS, serde_json._WRITTEN,
-        model_plans._RESTORES, model_plans._SAVES, bullet._SHAPES,
+        model_plans._RESTORES, model_plans._SAVES, bullet._SHAPES, bullet._SPECS,
     ]  # fmt: skip
     assert not any(gone)
     for fmt, dest in formats.items():  # worked out again, to the same result

@@ -116,6 +116,7 @@ from ..errors import (
 )
 from ..layouts import Memo
 from ..model import Layer, Model
+from ..plainkey import plain_key
 from ..registry import (
     DIRECTORY,
     REPORT,
@@ -330,12 +331,22 @@ def _specs(saved_format: Any, ids: Iterable[str] | None = None) -> list[_Spec]:
             key_path="saved_format",
             found=type(saved_format).__name__,
         )
-    specs = [_spec_of(i, e) for i, e in enumerate(saved_format)]
-    seen: dict[str, int] = {}
-    for i, s in enumerate(specs):
-        if s.id in seen:
-            raise _entry_error(i, s.id, "id", f"id listed twice (also saved_format[{seen[s.id]}])")
-        seen[s.id] = i
+    # A layout's entries are checked once: a training run passes the same one on every save.
+    pickled = plain_key(saved_format) if type(saved_format) is list else None
+    key = None if pickled is None else (pickled, tuple(TRANSFORMS))
+    kept = _SPECS.get(key) if key is not None else None
+    if kept is not None:
+        specs = list(kept)
+    else:
+        specs = [_spec_of(i, e) for i, e in enumerate(saved_format)]
+        seen: dict[str, int] = {}
+        for i, s in enumerate(specs):
+            if s.id in seen:
+                where = f"also saved_format[{seen[s.id]}]"
+                raise _entry_error(i, s.id, "id", f"id listed twice ({where})")
+            seen[s.id] = i
+        if key is not None:
+            _SPECS.keep(key, tuple(specs))
     if ids is not None:
         known = ids if isinstance(ids, Mapping | set | frozenset) else set(ids)
         for i, s in enumerate(specs):
@@ -349,6 +360,10 @@ def _specs(saved_format: Any, ids: Iterable[str] | None = None) -> list[_Spec]:
                     found=s.id,
                 )
     return specs
+
+
+#: Checked layouts by their entries (plain data, pickled) and the transform names known then.
+_SPECS: Memo[tuple[bytes, tuple[str, ...]], tuple[_Spec, ...]] = Memo(8)
 
 
 def validate_saved_format(
