@@ -113,16 +113,16 @@ def _inputs(
     flax = source if like is None else like
     if type(flax) is not dict:
         return None
-    found = _structure(source)
-    if found is None:
-        return None
-    source_text, sources = found
     like_text, like_leaves = b"", list[Any]()
-    if like is not None:
+    if like is not None:  # first: a template of jax arrays is refused before the file's tree
         found = _structure(like)
         if found is None:
             return None
         like_text, like_leaves = found
+    found = _structure(source)
+    if found is None:
+        return None
+    source_text, sources = found
     flax_text, flax_leaves = (source_text, sources) if like is None else (like_text, like_leaves)
     if not _dicts_only(flax_text, flax_leaves):
         return None
