@@ -166,7 +166,7 @@ def _encode(
             model = model_mod.model_of(params, layers=hint)
             return _from_model(fmt, model, opts, out_meta, lossy)
 
-        if shape == "flax" and not _takes(fmt.encode, "model"):
+        if shape == "flax" and not _takes(fmt.encode, "model"):  # a kept save has no Model
             from . import model_plans  # the same save as a training run's last one, kept
 
             documents = (opts, layers, out_meta, lossy)
@@ -180,6 +180,7 @@ def _encode(
         )
     elif model is not None:
         tree, out_meta = _from_model(fmt, model, opts, out_meta, lossy)
+    converted = shape is not None or model is not None  # tree and meta are from_model's
     if out_meta and not fmt.accepts_meta:
         warnings.warn(
             f"format {fmt.name!r} cannot store meta; dropping {sorted(out_meta)}",
@@ -190,6 +191,8 @@ def _encode(
     enc_fixed: dict[str, Any] = {"meta": out_meta}
     if model is not None and _takes(fmt.encode, "model"):  # the tree is from_model's: checked
         enc_fixed["model"] = model
+    if converted and _takes(fmt.encode, "checked"):
+        enc_fixed["checked"] = True
     if _takes(fmt.encode, "dest"):
         enc_fixed["dest"] = os.fspath(dest) if dest is not None else None
     return _call(fmt.encode, fmt, opts, tree, **enc_fixed)

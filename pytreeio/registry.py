@@ -731,7 +731,9 @@ def _structural_restore(native: Any, meta: dict[str, Any], like: Any) -> Any:
 
 
 # Parameters the API passes itself; never user options.
-_POSITIONAL = frozenset({"tree", "native", "meta", "like", "source", "model", "dest", "lossy"})
+_POSITIONAL = frozenset(
+    {"tree", "native", "meta", "like", "source", "model", "checked", "dest", "lossy"}
+)
 
 
 #: declared_options by function: every load and save asks (an inspect.signature costs ~25 us).
@@ -793,11 +795,14 @@ class Format(NamedTuple):
       description: one line for ``pytreeio formats``.
       suffixes: file suffixes that select this format on save (``".msgpack"``).
       layout: :data:`FILE`, a :class:`Siblings` value or :data:`DIRECTORY`.
-      encode: ``encode(tree, *, meta=None, [dest=None,] [model=None,] <save options>) -> Encoded``;
-        takes the native tree (and the common shapes it documents).  One that
-        declares ``model`` is given the :class:`~pytreeio.model.Model` when
-        ``tree`` and ``meta`` are what ``from_model`` made of it, and may skip
-        checking them again.
+      encode: ``encode(tree, *, meta=None, [dest=None,] [model=None,] [checked=False,]
+        <save options>) -> Encoded``; takes the native tree (and the common shapes
+        it documents).  One that declares ``model`` is given the
+        :class:`~pytreeio.model.Model` when ``tree`` and ``meta`` are what
+        ``from_model`` made of it, and may skip checking them again; one that
+        declares ``checked`` is told so with ``checked=True`` (also when the
+        mapping was kept from an earlier save of the same inputs:
+        :mod:`pytreeio.model_plans`, which the ``model`` parameter rules out).
       decode: ``decode(source, *, <load options>) -> Decoded`` (native tree, meta).
       inspect: ``inspect(source) -> Info`` touching only headers; ``source``
         is a :class:`pytreeio.binary.ByteSource` (a mapping of them for

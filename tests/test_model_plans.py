@@ -331,7 +331,7 @@ def modelled(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-SAVED_FORMATS = [f for f in MODEL_FORMATS if f != "netcl"]  # netcl's encode takes the Model
+SAVED_FORMATS = list(MODEL_FORMATS)
 
 
 @pytest.mark.parametrize("fmt", SAVED_FORMATS)
@@ -359,7 +359,7 @@ def test_a_kept_save_writes_the_full_saves_bytes(
     assert modelled == [1, 1, 1]
 
 
-@pytest.mark.parametrize("fmt", ["netcl-params", "datacode", "bullet"])
+@pytest.mark.parametrize("fmt", ["netcl-params", "netcl", "datacode", "bullet"])
 def test_every_other_tree_saves_as_the_full_path_saves_it(tmp_path: Path, fmt: str) -> None:
     tree = _tree()
     dest = MODEL_FORMATS[fmt]
@@ -443,3 +443,23 @@ def test_no_plans_for_trees_beyond_the_bounds(monkeypatch: pytest.MonkeyPatch) -
             assert not model_plans._RESTORES and not model_plans._SAVES, bound
         both()
         assert model_plans._RESTORES and model_plans._SAVES
+
+
+def test_an_encoder_taking_the_model_gets_no_kept_save(tmp_path: Path) -> None:
+    """A format whose encode declares ``model`` is given the Model every save: none is kept."""
+    from pytreeio import registry
+
+    netcl = registry.get("netcl")
+    seen: list[Any] = []
+
+    def encode(tree: Any, *, meta: Any = None, model: Any = None) -> Any:
+        seen.append(model)
+        return netcl.encode(tree, meta=meta, checked=model is not None)
+
+    fmt = netcl._replace(name="netcl-with-model", encode=encode)
+    tree = _tree()
+    ptio.forget_layouts()
+    for _ in range(3):
+        ptio.save(tmp_path / "m.npz", tree, format=fmt)
+    assert len(seen) == 3 and all(isinstance(m, model.Model) for m in seen)
+    assert not model_plans._SAVES

@@ -505,7 +505,7 @@ def test_a_bad_layer_in_a_file_is_named_among_alike_ones() -> None:
 def test_save_through_the_common_form_checks_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The API hands encode the Model its tree came from: no second round through it.
+    # The API tells encode its tree came from from_model: no second round through the model.
     tree = {"params": {f"Dense_{i}": {"kernel": f32(3, 3), "bias": f32(3)} for i in range(3)}}
     model = model_of(tree)
     native, doc = nc.from_model(model)
@@ -516,7 +516,7 @@ def test_save_through_the_common_form_checks_once(
     ptio.save(tmp_path / "m.netcl", tree, format="netcl", durable=False)
     assert calls == []
     assert (tmp_path / "m.netcl").read_bytes() == checked
-    assert nc.encode(native, meta=doc, model=model).files["model"].tobytes() == checked
+    assert nc.encode(native, meta=doc, checked=True).files["model"].tobytes() == checked
 
 
 def _layers_file(config_out: int = 4, n: int = 6) -> bytes:

@@ -396,14 +396,14 @@ def from_model(
     return native, doc
 
 
-def encode(tree: Any, *, meta: Any = None, model: Model | None = None) -> Encoded:
+def encode(tree: Any, *, meta: Any = None, checked: bool = False) -> Encoded:
     """The model file for a native layer list; ``meta`` gives the layer config (partial entries allowed).
 
-    ``model`` is the :class:`Model` that :func:`from_model` made ``tree`` and
-    ``meta`` from (the API passes it on a save through the common form):
-    they were checked when it was made, and are written as they are.
+    ``checked``: ``tree`` and ``meta`` are what :func:`from_model` made (the
+    API says so on a save through the common form): they were checked when
+    made, and are written as they are.
     """
-    if model is not None and isinstance(tree, list) and isinstance(meta, dict):
+    if checked and isinstance(tree, list) and isinstance(meta, dict):
         layers, doc = tree, meta
     else:
         if isinstance(meta, Mapping) and meta.get("type", "Sequential") != "Sequential":
