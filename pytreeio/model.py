@@ -163,7 +163,7 @@ LAYERS: dict[str, LayerSpec] = {
 }
 
 _FLAX_KIND = {spec.flax: name for name, spec in LAYERS.items() if spec.flax}
-_FLAX_NAME = re.compile(r"^(Dense|Conv|BatchNorm|layers)_(0|[1-9][0-9]{0,5})$")
+_FLAX_NAME = re.compile(r"\A(Dense|Conv|BatchNorm|layers)_(0|[1-9][0-9]{0,5})\Z")
 #: Arguments that must be positive integers.
 _POSITIVE_ARGS = frozenset(
     {

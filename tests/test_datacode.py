@@ -625,6 +625,13 @@ CASES: list[tuple[str, Callable[[], bytes], str, int | None, str]] = [
         "layer00.weight",
     ),
     (
+        "trailing newline",  # a whole name: "$" would have let the newline through
+        lambda: raw_file(_with(), _tensors(t0=("layer0.weight\n", (3, 4), W0))),
+        "tensor 0 name",
+        T0 + 4,
+        "layer0.weight",
+    ),
+    (
         "layer index",
         lambda: raw_file(
             _with(),

@@ -305,3 +305,12 @@ def test_equal_but_different_entries_are_worked_out_on_their_own(
     wrong[2]["bias"] = np.zeros(4, np.float32)
     with pytest.raises(MismatchError, match="layer 2"):
         M.normalize_layers(entries, wrong)
+
+
+def test_flax_module_names_are_whole_names() -> None:
+    from pytreeio import model as model_mod
+
+    kernel = np.zeros((2, 2), np.float32)
+    assert model_mod.is_flax_tree({"Dense_0": {"kernel": kernel}})
+    for name in ("Dense_0\n", "Dense_0 ", "xDense_0", "Dense_01"):
+        assert not model_mod.is_flax_tree({name: {"kernel": kernel}}), repr(name)

@@ -591,3 +591,25 @@ def test_moments_are_narrowed_together_as_one_by_one(seed: int) -> None:
         assert g.tobytes() == want.tobytes()
         if isinstance(v, np.ndarray) and v.dtype != p.dtype:  # else decoded already: as it is
             assert not np.shares_memory(g, v)
+
+
+def _with_members(members: list[tuple[str, np.ndarray]]) -> bytes:
+    meta = {"type": "Sequential", "config": [{"type": "Linear", "args": {"in_features": 4, "out_features": 4, "bias": True}}], "version": 2, "format": "netcl.single-file"}  # fmt: skip
+    items = [*members, (nc.META_KEY, np.array(json.dumps(meta), dtype=np.str_))]
+    return b"".join(bytes(c) for c in npy.encode_npz(items))
+
+
+def test_member_names_are_whole_names() -> None:
+    """netcl looks a member up as f"{layer}:{name}" exactly: "0:weight\n" is another name (one
+    no layer has: refused), never the weight (it was read as the weight, over the real one when
+    it came second)."""
+    weight, other, bias = f32(4, 4), f32(4, 4) + 1, f32(4)
+    for members in (
+        [("0:weight", weight), ("0:weight\n", other)],
+        [("0:weight\n", other), ("0:weight", weight)],
+        [("0:weight\n", other)],
+    ):
+        with pytest.raises(FormatError, match="unexpected array"):
+            nc.decode({"model": _with_members([*members, ("0:bias", bias)])})
+    got = nc.decode({"model": _with_members([("0:weight", weight), ("0:bias", bias)])}).tree
+    assert got[0]["weight"].tobytes() == weight.tobytes()

@@ -1209,3 +1209,11 @@ def test_read_ahead_in_runs_reports_a_bad_file_at_its_own_entry(tmp_path: Path) 
     with pytest.raises(FormatError) as err:
         ptio.load(d, like=params)
     assert str(err.value.path).endswith(names[61]) and "magic" in (err.value.field or "")
+
+
+def test_integer_type_specifiers_are_whole_texts() -> None:
+    from pytreeio.fmt import waffe2_keys
+
+    assert waffe2_keys.parse_type_specifier("(integer 0 3)").kind == "integer"
+    with pytest.raises(FormatError, match="unknown type specifier"):
+        waffe2_keys.parse_type_specifier("(integer 0 3)\n")

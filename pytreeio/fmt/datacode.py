@@ -121,7 +121,7 @@ FILE_KEY = "_datacode_file"
 #: DataCode names are ``layer<N>.weight``; longer names are refused before they are read.
 _MAX_NAME = 64
 _MAX_DIM = (1 << 32) - 1
-_TENSOR_NAME = re.compile(r"^layer(0|[1-9][0-9]{0,9})\.(weight|bias)$")
+_TENSOR_NAME = re.compile(r"\Alayer(0|[1-9][0-9]{0,9})\.(weight|bias)\Z")
 _F32 = np.dtype("<f4")
 _U32 = struct.Struct("<I")
 #: A tensor's dims by their count.

@@ -76,7 +76,9 @@ from .netcl_naming import (
 
 __all__ = ["META_KEY", "NETCL_TYPES", "MODEL"]
 
-_MEMBER = re.compile(r"^(0|[1-9][0-9]{0,8}):(.+)$")
+# The whole name (fullmatch, DOTALL): netcl looks members up as f"{idx}:{key}" exactly, so a
+# name with a trailing newline is another name, not the array's ("$" would allow the newline).
+_MEMBER = re.compile(r"(0|[1-9][0-9]{0,8}):(.+)", re.DOTALL)
 
 
 def _meta_document(text: Any, name: str, field: str) -> dict[str, Any]:
@@ -137,7 +139,7 @@ def _split_members(arrays: Mapping[str, Any], n_layers: int, name: str) -> list[
         if key == META_KEY:
             continue
         field = f"{key[:80]}.npy"
-        m = _MEMBER.match(key)
+        m = _MEMBER.fullmatch(key)
         if m is None:
             raise FormatError(
                 f"member {key[:80]!r} is not named '<layer>:<key>'", path=name, field=field

@@ -242,7 +242,7 @@ def assign_nth(pairs: Iterable[tuple[str, str]]) -> list[int]:
 
 #: The largest integer a float can hold (a JSON integer beyond it is no float's value).
 _LARGEST_FLOAT_INT = int(sys.float_info.max)
-_INTEGER_FORM = re.compile(r"^\(integer (\*|-?[0-9]+)(?: (\*|-?[0-9]+))?\)$")
+_INTEGER_FORM = re.compile(r"\A\(integer (\*|-?[0-9]+)(?: (\*|-?[0-9]+))?\)\Z")
 _FLOATS = ("single-float", "double-float")
 
 
