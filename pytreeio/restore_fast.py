@@ -13,7 +13,12 @@ fixed dispatch cost).
 The check costs well under the general walk (which builds every container and
 key path): both trees' structures are compared as one string each, written by
 ``orjson`` (optional) with the leaves collected in order by its ``default``
-hook, and the leaves are compared in bulk.  Anything else (other containers,
+hook, and the leaves are compared in bulk.  Where the strings differ only in
+the order of each dict's keys (their key-sorted strings are equal: a template
+made by ``jax.tree_util.tree_map`` or ``jax.eval_shape`` lists every dict's
+keys sorted, the file the saved tree's order), the leaves are paired by key in
+``like``'s order and the result is built in that order, as the general walk
+builds it.  Anything else (other containers,
 ``None``, scalars, typed PRNG keys, a single difference, a failing transfer)
 is left to the general walk, which restores it and words any error.
 """
@@ -85,8 +90,14 @@ def fast_restore(native: dict[Any, Any], like: dict[Any, Any], convert: bool) ->
     words every error.
     """
     leaves = _plain_leaves(native, like)
+    reordered = False
     if leaves is None:
-        return None
+        # The same nesting with keys in another order (a template made by jax.tree_util.tree_map
+        # or jax.eval_shape has each dict's keys sorted; the file keeps the saved tree's order).
+        leaves = _reordered_leaves(native, like)
+        if leaves is None:
+            return None
+        reordered = True
     native_leaves, like_leaves = leaves
     if {*map(type, native_leaves)} - {np.ndarray}:
         return None
@@ -96,7 +107,7 @@ def fast_restore(native: dict[Any, Any], like: dict[Any, Any], convert: bool) ->
     if not _same_specs(native_leaves, like_leaves):
         return None
     if not jax_kinds or not convert:
-        return native
+        return fill_like(like, iter(native_leaves)) if reordered else native
     # numpy dtypes only: a typed PRNG key's dtype is jax's own (the general walk wraps those)
     if not all(isinstance(dt, np.dtype) for dt in {*map(_DTYPE, like_leaves)}):
         return None
@@ -157,6 +168,47 @@ def _plain_leaves(
     if len(native_leaves) != len(like_leaves):  # a None of `native` where `like` has a leaf
         return None
     return native_leaves, like_leaves
+
+
+def _reordered_leaves(
+    native: dict[Any, Any], like: dict[Any, Any]
+) -> tuple[list[Any], list[Any]] | None:
+    """Both trees' leaves in ``like``'s order, where they are the same nesting of str-keyed
+    dicts up to the order of each dict's keys (their key-sorted texts are equal)."""
+    dumps, opts = orjson_dumps()
+    if dumps is None:
+        return None
+    import orjson
+
+    like_leaves: list[Any] = []
+    try:
+        text = dumps(like, default=like_leaves.append, option=opts | orjson.OPT_SORT_KEYS)
+        if text != dumps(native, default=_ignored, option=opts | orjson.OPT_SORT_KEYS):
+            return None
+    except (TypeError, ValueError):
+        return None
+    nulls = text.count(b":null")  # as in _plain_leaves: dicts and collected leaves only
+    if nulls != len(like_leaves) or text.count(b":") != nulls + text.count(b":{"):
+        return None
+    native_leaves: list[Any] = []
+    like_leaves = []
+    _by_key(native, like, native_leaves, like_leaves)
+    return native_leaves, like_leaves
+
+
+def _ignored(leaf: Any) -> None:
+    return None
+
+
+def _by_key(native: dict[Any, Any], like: dict[Any, Any], nl: list[Any], ll: list[Any]) -> None:
+    """Leaves in ``like``'s order, each with the native leaf under the same keys (the sorted
+    texts were equal: every key is there, every dict opposite a dict)."""
+    for k, lv in like.items():
+        if type(lv) is dict:
+            _by_key(native[k], lv, nl, ll)
+        else:
+            ll.append(lv)
+            nl.append(native[k])
 
 
 def _same_specs(native_leaves: list[Any], like_leaves: list[Any]) -> bool:

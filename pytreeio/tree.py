@@ -600,8 +600,8 @@ def restore(
     Where ``native`` already is that result (nested str-keyed dicts in
     ``like``'s key order, numpy leaves of ``like``'s shapes and dtypes) it is
     returned itself, containers included; where ``like``'s leaves are jax
-    arrays instead, they are placed in one batched transfer: see
-    :mod:`pytreeio.restore_fast`.
+    arrays instead, they are placed in one batched transfer; both also where
+    only the order of each dict's keys differs: see :mod:`pytreeio.restore_fast`.
     """
     if type(like) is dict and type(native) is dict:
         fast = fast_restore(native, like, convert)

@@ -343,3 +343,61 @@ def test_jax_like_prng_keys_and_tracers_take_the_general_walk(backend: str) -> N
 
     jax.jit(traced)(jax.numpy.zeros(2, np.float32))
     assert seen == [None]
+
+
+def _reversed(x: Any) -> Any:
+    """``x`` with every dict's keys in reverse order (the same nesting otherwise)."""
+    if type(x) is dict:
+        return {k: _reversed(x[k]) for k in reversed(list(x))}
+    return x
+
+
+def test_keys_in_another_order_give_the_general_walks_result(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A template whose dicts list their keys in another order (jax.tree_util.tree_map sorts
+    them) takes the fast path too, when orjson is there; the result follows like's order."""
+    native = _params()
+    like = _reversed(_copy(native))
+    want = _general(native, like, monkeypatch)
+    got = tree.restore(native, like)
+    assert_same_tree(got, want)
+    assert list(got["params"]) == list(like["params"]) != list(native["params"])
+    for name, layer in got["params"].items():  # the native arrays themselves, as the walk gives
+        for k, arr in layer.items():
+            assert arr is native["params"][name][k]
+
+
+@pytest.mark.parametrize("kind", ["array", "struct"])
+def test_jax_like_keys_in_another_order_are_placed_in_one_batch(
+    backend: str, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jax = pytest.importorskip("jax")
+    base = _params32()
+    like = _reversed(_jax_like(jax, base, kind))
+    calls: list[int] = []
+    real = jax.device_put
+
+    def counting(x: Any, *args: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return real(x, *args, **kw)
+
+    want = _general(_copy(base), like, monkeypatch)
+    monkeypatch.setattr(jax, "device_put", counting)
+    got = tree.restore(_copy(base), like)
+    if backend == "orjson":
+        assert len(calls) <= 2  # batched: one call per group, not one per leaf
+    _assert_same_placed(jax, got, want)
+
+
+@pytest.mark.parametrize(("name", "mutate"), _mutations())
+def test_keys_in_another_order_with_a_mismatch_give_the_general_error(
+    backend: str, name: str, mutate: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    like = _reversed(_params())
+    native = _copy(_params())
+    mutate(native)
+    want = _general_error(native, like, monkeypatch)
+    with pytest.raises(MismatchError) as info:
+        tree.restore(native, like)
+    assert str(info.value) == str(want), name
