@@ -31,7 +31,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["same_plain_tree", "fast_restore", "host_only", "orjson_dumps", "fill_like"]
+__all__ = [
+    "same_plain_tree",
+    "fast_restore",
+    "host_only",
+    "orjson_dumps",
+    "fill_like",
+    "jax_template_kinds",
+    "placed",
+]
 
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
@@ -102,7 +110,7 @@ def fast_restore(native: dict[Any, Any], like: dict[Any, Any], convert: bool) ->
     if {*map(type, native_leaves)} - {np.ndarray}:
         return None
     jax_kinds = {*map(type, like_leaves)} - {np.ndarray}
-    if jax_kinds and not _jax_kinds(jax_kinds):
+    if jax_kinds and not jax_template_kinds(jax_kinds):
         return None
     if not _same_specs(native_leaves, like_leaves):
         return None
@@ -111,10 +119,10 @@ def fast_restore(native: dict[Any, Any], like: dict[Any, Any], convert: bool) ->
     # numpy dtypes only: a typed PRNG key's dtype is jax's own (the general walk wraps those)
     if not all(isinstance(dt, np.dtype) for dt in {*map(_DTYPE, like_leaves)}):
         return None
-    placed = _placed(native_leaves, like_leaves)
-    if placed is None:
+    done = placed(native_leaves, like_leaves)
+    if done is None:
         return None
-    return fill_like(like, iter(placed))
+    return fill_like(like, iter(done))
 
 
 def host_only(tree: Any) -> bool:
@@ -217,7 +225,7 @@ def _same_specs(native_leaves: list[Any], like_leaves: list[Any]) -> bool:
     ) == list(map(_DTYPE, native_leaves))
 
 
-def _jax_kinds(kinds: set[type]) -> bool:
+def jax_template_kinds(kinds: set[type]) -> bool:
     """Whether every template leaf type is a concrete jax array or ``jax.ShapeDtypeStruct``.
 
     (Tracers are jax arrays too: the general walk sees to those.)  jax is loaded
@@ -234,7 +242,7 @@ def _jax_kinds(kinds: set[type]) -> bool:
     return True
 
 
-def _placed(native_leaves: list[Any], like_leaves: list[Any]) -> list[Any] | None:
+def placed(native_leaves: list[Any], like_leaves: list[Any]) -> list[Any] | None:
     """Each native leaf as the kind its template is, the jax ones in batched transfers.
 
     None when a transfer fails: the general walk then fails at that leaf's key.

@@ -463,3 +463,52 @@ def test_an_encoder_taking_the_model_gets_no_kept_save(tmp_path: Path) -> None:
         ptio.save(tmp_path / "m.npz", tree, format=fmt)
     assert len(seen) == 3 and all(isinstance(m, model.Model) for m in seen)
     assert not model_plans._SAVES
+
+
+# --------------------------------------------------------------------------
+# jax templates: placed in one batch
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["array", "struct"])
+@pytest.mark.parametrize("fmt", ["datacode", "netcl-params"])
+def test_jax_templates_of_model_formats_are_placed_in_one_batch(
+    tmp_path: Path, fmt: str, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model format's load into jax templates places every array in one batched transfer,
+    exactly where a transfer per leaf puts it (and per leaf again if the batch fails)."""
+    jax = pytest.importorskip("jax")
+    from pytreeio import restore_fast
+
+    tree = _tree()
+    path = tmp_path / MODEL_FORMATS[fmt]
+    ptio.save(path, tree, format=fmt)
+
+    def template(a: np.ndarray) -> Any:
+        return jax.numpy.asarray(a) if kind == "array" else jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+    like = jax.tree_util.tree_map(template, tree)  # sorted keys: another order than the file's
+    with monkeypatch.context() as m:
+        m.setattr(model._Placing, "takes", lambda self, a, v: False)
+        want = ptio.load(path, format=fmt, like=like)
+    calls: list[int] = []
+    real = jax.device_put
+
+    def counting(x: Any, *args: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return real(x, *args, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(jax, "device_put", counting)
+        got = ptio.load(path, format=fmt, like=like)
+    assert len(calls) == 1
+    with monkeypatch.context() as m:
+        m.setattr(restore_fast, "placed", lambda arrays, likes: None)  # a failed batch
+        one_by_one = ptio.load(path, format=fmt, like=like)
+    for result in (got, one_by_one):
+        g, w = _flat(result), _flat(want)
+        assert [k for k, _ in g] == [k for k, _ in w]
+        for (k, a), (_, b) in zip(g, w):
+            assert type(a) is type(b) and a.sharding == b.sharding, k
+            assert a.dtype == b.dtype and a.shape == b.shape, k
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), k
