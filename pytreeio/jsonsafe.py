@@ -58,6 +58,7 @@ __all__ = [
     "loads",
     "loads_again",
     "loads_counted",
+    "orjson_loads",
     "loads_rows",
     "NumberRows",
     "scan",
@@ -243,7 +244,7 @@ def loads_again(data: bytes | str) -> Any:
     """
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
     if _LONG_RUN not in raw.translate(_DIGITS_AS_ZERO):
-        loads = _orjson_loads()
+        loads = orjson_loads()
         if loads is not None:
             try:
                 return loads(raw)
@@ -255,18 +256,26 @@ def loads_again(data: bytes | str) -> Any:
 #: Every digit as b"0", every other byte as b" ": a run of 19 digits is _LONG_RUN.
 _DIGITS_AS_ZERO = bytes(48 if 48 <= i < 58 else 32 for i in range(256))
 _LONG_RUN = b"0" * 19
-_ORJSON_LOADS: list[Any] = []
+_ORJSON: list[Any] = []
 
 
-def _orjson_loads() -> Any:
-    if not _ORJSON_LOADS:
+def orjson_loads() -> Any:
+    """``orjson.loads`` when ``orjson`` (a dependency) imports, else None (stdlib json then).
+
+    It parses 3-5x as fast as :mod:`json`.  Its results differ from
+    :mod:`json`'s only where callers look anyway: it refuses NaN, lone
+    surrogate escapes and invalid UTF-8, and reads an integer beyond 64 bits
+    as a float (a shape, offset or dict key check refuses it; :func:`loads_again`
+    sends such texts to :mod:`json`).  Imported on first use, looked up once.
+    """
+    if not _ORJSON:
         try:
             import orjson
         except ImportError:  # pragma: no cover - orjson is a dependency
-            _ORJSON_LOADS.append(None)
+            _ORJSON.append(None)
         else:
-            _ORJSON_LOADS.append(orjson.loads)
-    return _ORJSON_LOADS[0]
+            _ORJSON.append(orjson.loads)
+    return _ORJSON[0]
 
 
 def loads_counted(

@@ -45,7 +45,7 @@ import numpy as np
 from .errors import warnings_made
 from .layouts import Memo
 from .plainkey import plain_key
-from .restore_fast import orjson_dumps
+from .restore_fast import dicts_only, orjson_dumps
 
 __all__ = ["restore", "save"]
 
@@ -91,17 +91,6 @@ def _structure(tree: Any) -> tuple[bytes, list[Any]] | None:
     return text, leaves
 
 
-def _dicts_only(text: bytes, leaves: list[Any]) -> bool:
-    """Whether ``text`` is nested objects whose members are objects or collected leaves.
-
-    Each ':' must start an object or a ``null`` and the nulls must be exactly the
-    leaves: no scalar or list.  A key holding ':null' or ':{' adds to both sides of a
-    count and can only make it fail.
-    """
-    nulls = text.count(b":null")
-    return nulls == len(leaves) and text.count(b":") == nulls + text.count(b":{")
-
-
 def _inputs(
     kind: str, source: Any, like: Any, documents: tuple[Any, ...], fmt: Hashable
 ) -> _Inputs | None:
@@ -124,7 +113,7 @@ def _inputs(
         return None
     source_text, sources = found
     flax_text, flax_leaves = (source_text, sources) if like is None else (like_text, like_leaves)
-    if not _dicts_only(flax_text, flax_leaves):
+    if not dicts_only(flax_text, flax_leaves):
         return None
     if len(sources) > MAX_LEAVES:
         return None

@@ -39,6 +39,7 @@ __all__ = [
     "fill_like",
     "jax_template_kinds",
     "placed",
+    "dicts_only",
 ]
 
 _SHAPE = operator.attrgetter("shape")
@@ -160,12 +161,7 @@ def _plain_leaves(
                 return None
         except (TypeError, ValueError):  # non-str keys, nesting beyond orjson's limit, ...
             return None
-        # Every member's value must be a dict or a collected leaf (written as null by the
-        # hook's None): each ':' is followed by '{' or 'null', and the nulls are exactly the
-        # leaves, so the tree holds no None, NaN (also null), scalar or list.  A key holding
-        # ':null' or ':{' only adds to both sides of a count and can only make it fail.
-        nulls = text.count(b":null")
-        if nulls != len(like_leaves) or text.count(b":") != nulls + text.count(b":{"):
+        if not dicts_only(text, like_leaves):
             return None
     else:
         try:
@@ -176,6 +172,18 @@ def _plain_leaves(
     if len(native_leaves) != len(like_leaves):  # a None of `native` where `like` has a leaf
         return None
     return native_leaves, like_leaves
+
+
+def dicts_only(text: bytes, leaves: list[Any]) -> bool:
+    """Whether an orjson ``text`` (leaves written as ``null``) is nested objects whose members
+    are objects or the collected ``leaves``.
+
+    Each ':' must be followed by '{' or 'null', and the nulls must be exactly the
+    leaves: no None, NaN (also null), scalar or list.  A key holding ':null' or ':{'
+    only adds to both sides of a count and can only make it fail.
+    """
+    nulls = text.count(b":null")
+    return nulls == len(leaves) and text.count(b":") == nulls + text.count(b":{")
 
 
 def _reordered_leaves(
@@ -195,8 +203,7 @@ def _reordered_leaves(
             return None
     except (TypeError, ValueError):
         return None
-    nulls = text.count(b":null")  # as in _plain_leaves: dicts and collected leaves only
-    if nulls != len(like_leaves) or text.count(b":") != nulls + text.count(b":{"):
+    if not dicts_only(text, like_leaves):
         return None
     native_leaves: list[Any] = []
     like_leaves = []

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -213,3 +215,24 @@ def bytes_changed(data: bytes, draw: st.DataObject, values: list[int]) -> bytes:
         pos = draw.draw(st.integers(0, len(buf) - 1))
         buf[pos] = draw.draw(st.sampled_from([*values, buf[pos] ^ 1]))
     return bytes(buf)
+
+
+@contextlib.contextmanager
+def swapped(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.name`` set to ``value`` within the block (a fresh plan store: no plan to replay)."""
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+def skeleton_flips(data: bytes, positions: Any, count: int, xor: int) -> Iterator[bytearray]:
+    """``data`` with one byte flipped (``^ xor``) at each of ``count`` of ``positions`` (a kept
+    skeleton's), drawn with a fixed seed."""
+    rng = np.random.default_rng(0)
+    for pos in rng.choice(positions, size=count, replace=False):
+        bad = bytearray(data)
+        bad[int(pos)] ^= xor
+        yield bad

@@ -14,7 +14,7 @@ from typing import Any
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from conftest import bytes_changed
+from conftest import bytes_changed, skeleton_flips, swapped
 from hypothesis import given, settings
 
 from pytreeio.binary import BufferSource
@@ -48,12 +48,8 @@ def _walk(data: bytes) -> Any:
 
 def _walked(data: bytes) -> Any:
     """The walk itself (no plan to replay)."""
-    plans = bullet._RECORD_PLANS
-    bullet._RECORD_PLANS = Shelf(4)
-    try:
+    with swapped(bullet, "_RECORD_PLANS", Shelf(4)):
         return _walk(data)
-    finally:
-        bullet._RECORD_PLANS = plans
 
 
 def test_the_third_walk_of_a_layout_is_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,10 +72,7 @@ def test_skeleton_changes_are_walked_as_the_walk_walks_them() -> None:
     _walk(data)
     _walk(data)
     plan = bullet._RECORD_PLANS.plans[0]
-    rng = np.random.default_rng(0)
-    for pos in rng.choice(plan.skeleton.positions, size=120, replace=False):
-        bad = bytearray(data)
-        bad[int(pos)] ^= 0x21
+    for bad in skeleton_flips(data, plan.skeleton.positions, 120, 0x21):
         assert bullet._RECORD_PLANS.find(memoryview(bad)) is None
         assert _walk(bytes(bad)) == _walked(bytes(bad))
 

@@ -15,7 +15,7 @@ from typing import Any
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from conftest import bytes_changed
+from conftest import bytes_changed, skeleton_flips, swapped
 from hypothesis import given, settings
 
 from pytreeio.errors import PytreeioError
@@ -61,12 +61,8 @@ def _outcome(data: bytes, **kw: Any) -> Any:
 
 
 def _parsed(data: bytes, **kw: Any) -> Any:
-    plans = datacode._PLANS
-    datacode._PLANS = Shelf(4)
-    try:
+    with swapped(datacode, "_PLANS", Shelf(4)):
         return _outcome(data, **kw)
-    finally:
-        datacode._PLANS = plans
 
 
 def _learnt(data: bytes) -> Any:
@@ -115,10 +111,7 @@ def test_a_different_skeleton_or_variant_is_read() -> None:
     data = _file()
     plan = _learnt(data)
     assert _outcome(data, variant="later") == _parsed(data, variant="later")  # a fault, named
-    rng = np.random.default_rng(0)
-    for pos in rng.choice(plan.skeleton.positions, size=150, replace=False):
-        bad = bytearray(data)
-        bad[int(pos)] ^= 0x5A
+    for bad in skeleton_flips(data, plan.skeleton.positions, 150, 0x5A):
         assert datacode._replayed_layout(memoryview(bad), None) is None
         assert _outcome(bytes(bad)) == _parsed(bytes(bad))
 

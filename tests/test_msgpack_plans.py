@@ -15,7 +15,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import assert_same_tree
+from conftest import assert_same_tree, skeleton_flips
 
 import pytreeio as ptio
 from pytreeio.errors import FormatError
@@ -102,10 +102,7 @@ def test_random_skeleton_byte_flips_are_parsed_or_refused() -> None:
     data = _encoded(_tree())
     _decode(data)
     plan = msgpack_plans._PLANS.plans[0]
-    rng = np.random.default_rng(0)
-    for pos in rng.choice(plan.skeleton.positions, size=200, replace=False):
-        bad = bytearray(data)
-        bad[int(pos)] ^= 0x5A
+    for bad in skeleton_flips(data, plan.skeleton.positions, 200, 0x5A):
         assert msgpack_plans.replay(memoryview(bad)) is None
         try:
             want = _parsed(bytes(bad))

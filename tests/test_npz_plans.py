@@ -19,7 +19,7 @@ from typing import Any
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from conftest import bytes_changed
+from conftest import bytes_changed, skeleton_flips, swapped
 from hypothesis import given, settings
 
 import pytreeio as ptio
@@ -70,12 +70,8 @@ def _outcome(data: bytes, **kw: Any) -> Any:
 
 def _parsed(data: bytes, **kw: Any) -> Any:
     """What the reader itself gives (no plan to replay)."""
-    plans = npz_plans._PLANS
-    npz_plans._PLANS = Shelf(npz_plans.MAX_PLANS)
-    try:
+    with swapped(npz_plans, "_PLANS", Shelf(npz_plans.MAX_PLANS)):
         return _outcome(data, **kw)
-    finally:
-        npz_plans._PLANS = plans
 
 
 def _learnt(data: bytes) -> npz_plans.Plan:
@@ -127,10 +123,7 @@ def test_a_different_skeleton_is_read(change: Any) -> None:
 def test_random_skeleton_byte_flips_are_read_or_refused_as_the_reader_does() -> None:
     data = _archive(_items())
     plan = _learnt(data)
-    rng = np.random.default_rng(0)
-    for pos in rng.choice(plan.skeleton.positions, size=150, replace=False):
-        bad = bytearray(data)
-        bad[int(pos)] ^= 0x5A
+    for bad in skeleton_flips(data, plan.skeleton.positions, 150, 0x5A):
         assert npz_plans.replay(memoryview(bad)) is None
         assert _outcome(bytes(bad)) == _parsed(bytes(bad))
 

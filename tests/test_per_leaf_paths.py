@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import pytreeio as ptio
+from pytreeio import jsonsafe
 from pytreeio.binary import BufferSource
 from pytreeio.fmt import safetensors as fmt_st
 
@@ -166,9 +167,9 @@ def json_parser(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     """Run a test with orjson (when installed) and with the stdlib fallback."""
     if request.param == "orjson":
         pytest.importorskip("orjson")
-        monkeypatch.setattr(fmt_st, "_ORJSON", [])
+        monkeypatch.setattr(jsonsafe, "_ORJSON", [])
     else:
-        monkeypatch.setattr(fmt_st, "_ORJSON", [None])
+        monkeypatch.setattr(jsonsafe, "_ORJSON", [None])
     return str(request.param)
 
 

@@ -18,6 +18,7 @@ import pytest
 from conftest import assert_same_tree
 
 import pytreeio as ptio
+from pytreeio import jsonsafe
 from pytreeio.errors import FormatError
 from pytreeio.fmt import safetensors as st
 
@@ -158,9 +159,9 @@ def test_both_writers_of_the_compact_text_agree(
 ) -> None:
     if json_lib == "orjson":
         pytest.importorskip("orjson")
-        monkeypatch.setattr(st, "_ORJSON", [])
+        monkeypatch.setattr(jsonsafe, "_ORJSON", [])
     else:
-        monkeypatch.setattr(st, "_ORJSON", [None])
+        monkeypatch.setattr(jsonsafe, "_ORJSON", [None])
     data = _encoded(PUNCTUATED)
     assert _taken(data)
     assert_same_tree(st.decode(data).tree, _general(data, monkeypatch))

@@ -739,36 +739,13 @@ def _plain_json(text: bytes | memoryview | str, total: int) -> Any:
     """
     if len(text) + 1 > _value_budget(total):
         return None
-    loads = _fast_loads()
+    loads = jsonsafe.orjson_loads()  # ~2 us less per tensor than json; see there
     try:
         if loads is not None:
             return loads(text)
         return json.loads(text if isinstance(text, str) else str(text, "utf-8"))
     except (ValueError, RecursionError):  # UnicodeDecodeError included: reported strictly
         return None
-
-
-_ORJSON: list[Any] = []
-
-
-def _fast_loads() -> Any:
-    """``orjson.loads`` when ``orjson`` (a dependency) imports, else None (stdlib json then).
-
-    It parses a header about three times as fast as :mod:`json` (about 2 us
-    per tensor of the per-leaf cost).  Its results differ from :mod:`json`'s
-    only where the callers look anyway: it refuses NaN and invalid UTF-8,
-    and reads an integer beyond 64 bits as a float, which every check of a
-    shape, offset or dict key refuses (sending the document to the strict
-    parser, which reads it exactly).  Imported on first use, looked up once.
-    """
-    if not _ORJSON:
-        try:
-            import orjson
-        except ImportError:
-            _ORJSON.append(None)
-        else:
-            _ORJSON.append(orjson.loads)
-    return _ORJSON[0]
 
 
 def _colons_match(text: bytes | memoryview | str, members: int, in_strings: int) -> bool:
@@ -1319,7 +1296,7 @@ def _nesting_document(root: dict[str, Any], names: list[str]) -> str | None:
     its key) or the tree is not such a nesting.
     """
     it = iter(names)
-    loads = _fast_loads()  # orjson present: its dumps writes the compact text
+    loads = jsonsafe.orjson_loads()  # orjson present: its dumps writes the compact text
     try:
         if loads is not None:
             import orjson
