@@ -351,16 +351,34 @@ def save(
 
 
 def _decode_path(
-    path: PathLike, format: str | Format | None, mmap: bool, options: Mapping[str, Any]
+    path: PathLike,
+    format: str | Format | None,
+    mmap: bool,
+    options: Mapping[str, Any],
+    *,
+    own_arrays: bool = True,
 ) -> tuple[Format, Any, dict[str, Any]]:
+    """Decode the checkpoint at ``path``: mapped (``mmap``), or with arrays of their own
+    (``own_arrays``: large files' arrays read one by one, :mod:`pytreeio.mapped_load`), or
+    with every file read into one buffer."""
     fmt = _format_for_load(path, format)
     fmt.check_options(options, "load")
-    source = io.open_source(path, fmt.layout, mmap=mmap)
+    if mmap or not own_arrays:
+        source = io.open_source(path, fmt.layout, mmap=mmap)
+        try:
+            with _errors_located(path, source):
+                native, meta = _call(fmt.decode, fmt, options, source)
+        finally:
+            _close(source)  # descriptors only: the buffers and maps read stay valid
+        return fmt, native, meta
+    from .mapped_load import decode_path
+
+    opened = io.open_source(path, fmt.layout, headers=True)
     try:
-        with _errors_located(path, source):
-            native, meta = _call(fmt.decode, fmt, options, source)
+        with _errors_located(path, opened):
+            native, meta = decode_path(opened, lambda data: _call(fmt.decode, fmt, options, data))
     finally:
-        _close(source)  # descriptors only: the buffers and maps read stay valid
+        _close(opened)
     return fmt, native, meta
 
 
@@ -590,7 +608,8 @@ def _decode_verified(
     fmt = _format_for_load(path, format)
     if "verify" in fmt.load_options:
         options = {**options, "verify": True}
-    result = _decode_path(path, fmt, mmap, options)
+    # one buffer per file: the checks read every byte anyway
+    result = _decode_path(path, fmt, mmap, options, own_arrays=False)
     checksum.check_manifest(path, fmt)
     return result
 

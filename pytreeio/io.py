@@ -93,7 +93,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
@@ -120,6 +120,7 @@ __all__ = [
     "read_file",
     "FileSource",
     "FileSet",
+    "FilesOf",
     "walk",
     "read_chunks",
     "read_head",
@@ -128,6 +129,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+_Set = TypeVar("_Set", bound="FileSet | FilesOf[Any]")
 
 # Linux caps a single write() at just under 2 GiB; stay well below it.
 _MAX_WRITE = 1 << 30
@@ -981,6 +983,8 @@ def _write_atomic(
 # costs a page fault and a kernel zero-fill per page, which a single reader
 # pays serially (~20% below a read into already-touched memory).
 _PARALLEL_MIN = 64 << 20
+#: Buffers one ``preadv`` may fill (POSIX guarantees 16; Linux and macOS allow 1024).
+IOV_MAX = 1024 if sys.platform.startswith(("linux", "darwin")) else 16
 _PARALLEL_BLOCK = 16 << 20
 _POOL = LazyPool("pytreeio-read", lambda: 4)
 
@@ -999,6 +1003,11 @@ def _read_range(
 
 def _get_pool() -> ThreadPoolExecutor:
     """The pool that reads large files in blocks (four threads: page faults in parallel)."""
+    return _POOL.get()
+
+
+def read_pool() -> ThreadPoolExecutor:
+    """The pool whose threads read files (:func:`pytreeio.pools.share` it for reads of your own)."""
     return _POOL.get()
 
 
@@ -1083,6 +1092,11 @@ class FileSource(ByteSource):
     def read_into(self, offset: int, out: memoryview, field: str) -> None:
         """Fill ``out`` with the bytes at ``offset`` (``pread`` straight into the caller's buffer)."""
         n = len(out)
+        self._check_range(offset, n, field)
+        _read_ranges(self._fd, out.cast("B"), offset, self.name or "")
+        self.bytes_read += n
+
+    def _check_range(self, offset: int, n: int, field: str) -> None:
         if offset < 0 or offset + n > self.size:
             raise FormatError(
                 f"truncated: needs {n} bytes at offset {offset}, file has {self.size}",
@@ -1090,14 +1104,36 @@ class FileSource(ByteSource):
                 field=field,
                 offset=offset,
             )
-        _read_ranges(self._fd, out.cast("B"), offset, self.name or "")
-        self.bytes_read += n
 
     def view(self) -> memoryview:
         """The whole file mapped read-only (pages are read only when touched)."""
         if self.size == 0:
             return memoryview(b"")
-        return memoryview(_mmap.mmap(self._fd, 0, access=_mmap.ACCESS_READ))
+        return memoryview(self.mapping())
+
+    def mapping(self) -> _mmap.mmap:
+        """The whole (non-empty) file mapped read-only, as the ``mmap`` object (closable)."""
+        return _mmap.mmap(self._fd, 0, access=_mmap.ACCESS_READ)
+
+    def read_scattered(self, offset: int, buffers: Sequence[memoryview], field: str) -> None:
+        """Fill ``buffers`` one after another from the file at ``offset`` (one ``preadv``).
+
+        Adjacent ranges (tensors and the headers between them) cost one system
+        call instead of one each; at most :data:`IOV_MAX` buffers.
+        """
+        n = sum(len(b) for b in buffers)
+        self._check_range(offset, n, field)
+        got = os.preadv(self._fd, buffers, offset)
+        if got < n:  # a short read (a signal, a file that shrank): the rest buffer by buffer
+            pos = 0
+            for b in buffers:
+                if pos + len(b) > got:
+                    start = max(0, got - pos)
+                    _read_range(
+                        self._fd, b, start, len(b), self.name or "", file_offset=pos + offset
+                    )
+                pos += len(b)
+        self.bytes_read += n
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -1245,6 +1281,29 @@ class FileSet(Mapping[str, Any]):
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+class FilesOf(Mapping[str, Any], Generic[_Set]):
+    """A mapping over the files of a :class:`FileSet` (or of another ``FilesOf``) whose
+    values subclasses choose (:meth:`__getitem__`); membership, names and paths are the set's."""
+
+    def __init__(self, files: _Set) -> None:
+        self._files = files
+
+    def __getitem__(self, name: str) -> Any:
+        raise NotImplementedError
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._files
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def path_of(self, name: str) -> str:
+        return self._files.path_of(name)
 
 
 def _open_regular(path: str | os.PathLike[str], dir_fd: int | None = None) -> int | None:

@@ -106,7 +106,9 @@ def wrap(data: Any, impl: Any, fail: Any) -> Any:
     import jax
 
     try:
-        arr: Any = data  # wrap_key_data takes numpy arrays too
+        # A copy: jax on CPU may alias a numpy array, and a key must not keep the
+        # buffer it was read from (the whole file) alive or mapped.
+        arr: Any = np.array(data, copy=True)
         return jax.random.wrap_key_data(arr, impl=impl)
     except Exception as exc:  # unknown implementation, wrong trailing shape
         raise fail(f"cannot rebuild a {impl!r:.60} PRNG key: {exc}".split("\n")[0]) from None

@@ -53,11 +53,11 @@ _PARALLEL_SLOT_BYTES = 4 << 20
 _PARALLEL_SLOTS = 4
 
 
-class _Sources(Mapping[str, Any]):
+class _Sources(io.FilesOf[io.FileSet]):
     """One :class:`pytreeio.io.FileSource` per file of a :class:`pytreeio.io.FileSet`, kept open."""
 
     def __init__(self, files: io.FileSet) -> None:
-        self._files = files
+        super().__init__(files)
         self._open: dict[str, Any] = {}
 
     def __getitem__(self, name: str) -> Any:
@@ -65,18 +65,6 @@ class _Sources(Mapping[str, Any]):
         if src is None:
             src = self._open[name] = self._files[name]
         return src
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._files
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._files)
-
-    def __len__(self) -> int:
-        return len(self._files)
-
-    def path_of(self, name: str) -> str:
-        return self._files.path_of(name)
 
     @property
     def bytes_read(self) -> int:
@@ -89,24 +77,12 @@ class _Sources(Mapping[str, Any]):
         self._files.close()
 
 
-class _Whole(Mapping[str, Any]):
+class _Whole(io.FilesOf[_Sources]):
     """Whole-file buffers of held sources, read on access (what ``decode`` receives)."""
 
-    def __init__(self, sources: _Sources) -> None:
-        self._sources = sources
-
     def __getitem__(self, name: str) -> Any:
-        src = self._sources[name]
+        src = self._files[name]
         return src.read(0, src.size, name)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._sources
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._sources)
-
-    def __len__(self) -> int:
-        return len(self._sources)
 
 
 class _Bound(LazyLeaf):

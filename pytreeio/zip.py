@@ -45,6 +45,7 @@ local header written in place afterwards.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 import struct
@@ -734,6 +735,8 @@ class RangeSource(Protocol):
 
     def read_into(self, offset: int, out: memoryview, field: str) -> None: ...
 
+    def read_scattered(self, offset: int, buffers: Sequence[memoryview], field: str) -> None: ...
+
 
 def read_archive(
     source: RangeSource,
@@ -753,30 +756,42 @@ def read_archive(
     compared before returning, so a mismatch is a :class:`FormatError`
     (naming the member, at its data offset) before any value is used.
 
+    The data of each stored member of at least :data:`OWN_MEMBER_MIN` bytes is
+    read into memory of its own (a piece's ranges go to their buffers in one
+    ``preadv``), the rest of the file into one buffer: arrays then hold their
+    own allocations, which the allocator recycles from load to load (one
+    allocation as large as the file is mapped and zero-filled afresh each time).
+
     ``members``: the directory when the caller has read it already.
     Returns ``(members, bytes, checked)``: the members in directory order, the
-    file's bytes as a :class:`~pytreeio.binary.ByteSource` (members read from it
-    are views of one buffer) and the names of the members whose CRC was
-    verified here (deflated ones are checked once inflated, by the caller).
+    file's bytes as a :class:`~pytreeio.binary.ByteSource` (a member read from
+    it is a view of its own buffer or of the common one) and the names of the
+    members whose CRC was verified here (deflated ones are checked once
+    inflated, by the caller).
     """
     import numpy as np
 
     if members is None:
         members = read_zip_directory(source)  # type: ignore[arg-type]
     size = source.size
-    dest = np.empty(size, dtype=np.uint8)  # uninitialised: the reads fill every byte
-    buf = dest.data
+    own = sorted(
+        (m.data_offset, np.empty(m.size, dtype=np.uint8).data)
+        for m in members
+        if m.method == STORED and m.size >= OWN_MEMBER_MIN
+    )
+    data = _Segments(_covering(size, own), name=source.name)
     hashed = [i for i, m in enumerate(members) if verify_crc and m.method == STORED]
     workers = _crc.threads() if size >= FUSED_MIN else 1
     step = _FUSED_PIECE if hashed else _READ_PIECE
     page = _HUGE_PAGE if step >= 2 * _HUGE_PAGE else 1
-    skew = -dest.ctypes.data % page  # where the first page boundary lies in the buffer
+    skew = -data.address() % page  # where the first page boundary lies in the first buffer
     pieces = _split(size, step, workers, members, hashed, skew=skew, page=page)
 
     def run(piece: _Piece) -> list[tuple[int, int, int]]:
         a, b, segments = piece
-        source.read_into(a, buf[a:b], "zip")
-        return [(i, _crc.crc32(buf[lo:hi]), hi - lo) for lo, hi, i in segments]
+        source.read_scattered(a, data.targets(a, b), "zip")
+        # a segment lies in one member's data: one buffer
+        return [(i, _crc.crc32(data._read(lo, hi - lo)), hi - lo) for lo, hi, i in segments]
 
     if workers == 1:
         results = [run(p) for p in pieces]
@@ -786,11 +801,85 @@ def read_archive(
     for found in results:  # pieces in file order
         for i, c, n in found:
             per_member[i].append((c, n))
-    data = BufferSource(buf, name=source.name)
     for i in hashed:
         if _crc.combine_all(per_member[i]) != members[i].crc:
             raise _crc_mismatch(data, members[i])
     return members, data, {members[i].name for i in hashed}
+
+
+#: Stored members at least this large are read into buffers of their own (:func:`read_archive`).
+OWN_MEMBER_MIN = 1 << 20
+
+
+def _covering(size: int, own: list[tuple[int, memoryview]]) -> list[tuple[int, memoryview]]:
+    """``own`` and, for the bytes between them, views of one buffer: the file's ``size`` bytes."""
+    import numpy as np
+
+    gaps: list[tuple[int, int]] = []
+    pos = 0
+    for start, buf in own:
+        if start > pos:
+            gaps.append((pos, start))
+        pos = start + len(buf)
+    if pos < size:
+        gaps.append((pos, size))
+    # uninitialised: the reads fill every byte
+    rest = np.empty(sum(b - a for a, b in gaps), dtype=np.uint8).data
+    out = list(own)
+    k = 0
+    for a, b in gaps:
+        out.append((a, rest[k : k + b - a]))
+        k += b - a
+    out.sort(key=lambda seg: seg[0])
+    return out
+
+
+class _Segments(ByteSource):
+    """A file's bytes in several buffers: ``segments``, ``(file offset, buffer)`` pairs, sorted,
+    covering the file without overlap.
+
+    Large members' data each have a buffer of their own; the bytes between
+    them (headers, small members) are packed into one, so that what is not a
+    member's data costs its own size, not pages of a buffer as large as the
+    file.  A read within one segment is a view of its buffer; one across a
+    segment's edge is assembled (a copy).
+    """
+
+    def __init__(self, segments: list[tuple[int, memoryview]], name: str | None) -> None:
+        self._segments = segments
+        self._starts = [start for start, _ in segments]
+        self.name = name
+        self.size = segments[-1][0] + len(segments[-1][1]) if segments else 0
+        self.bytes_read = 0
+
+    def address(self) -> int:
+        """Where the first segment's memory begins (0 for an empty file)."""
+        import numpy as np
+
+        return int(np.frombuffer(self._segments[0][1], np.uint8).ctypes.data) if self.size else 0
+
+    def targets(self, a: int, b: int) -> list[memoryview]:
+        """The buffers that bytes ``a:b`` of the file go to, in file order."""
+        out: list[memoryview] = []
+        k = max(0, bisect.bisect_right(self._starts, a) - 1)
+        pos = a
+        while pos < b:
+            start, buf = self._segments[k]
+            stop = min(b, start + len(buf))
+            if stop > pos:
+                out.append(buf[pos - start : stop - start])
+                pos = stop
+            k += 1
+        return out
+
+    def _read(self, offset: int, n: int) -> memoryview:
+        parts = self.targets(offset, offset + n)
+        if len(parts) == 1:
+            return parts[0]
+        return memoryview(b"".join(parts))  # across an edge (only foreign readers ask)
+
+    def view(self) -> memoryview:
+        return self._read(0, self.size)
 
 
 def _split(

@@ -26,6 +26,7 @@ def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(zipfmt, "_READ_PIECE", 700)
     monkeypatch.setattr(zipfmt, "FUSED_MIN", 1)
     monkeypatch.setattr(zipfmt, "OVERLAP_MIN", 1000)
+    monkeypatch.setattr(zipfmt, "OWN_MEMBER_MIN", 1000)  # "big" and "wide" get buffers of their own
     monkeypatch.setattr(crc, "PIECE", 256)
     monkeypatch.setattr(crc, "_PARALLEL_MIN", 1)
 
@@ -315,3 +316,51 @@ def test_small_files_are_read_whole_and_still_checked(tmp_path: Path) -> None:
     with pytest.raises(FormatError) as info:
         ptio.load(path, format="netcl-params")
     assert (info.value.path, info.value.field) == (str(path), "zip.member[p0.npy]")
+
+
+def test_large_members_are_read_into_buffers_of_their_own(
+    small_pieces: None, tmp_path: Path
+) -> None:
+    items = _items()
+    out = _read(_file(tmp_path, _savez(items)))
+    for k, v in items.items():
+        assert out[k].dtype == v.dtype and out[k].tobytes() == v.tobytes()
+    owners = {k: _owner(a) for k, a in out.items()}
+    assert owners["big"] is not owners["wide"]
+    assert owners["big"].nbytes < 7000 and owners["wide"].nbytes < 6000  # not the whole file
+    assert owners["odd"] is owners["scalar"]  # small members: views of the common buffer
+    between = len(_savez(items)) - out["big"].nbytes - out["wide"].nbytes
+    assert owners["odd"].nbytes < between  # which holds only what the large members' data is not
+
+
+def _owner(a: np.ndarray) -> np.ndarray:
+    """The array that owns ``a``'s memory (through views and memoryviews)."""
+    owner, obj = a, a.base
+    while isinstance(obj, np.ndarray | memoryview):
+        if isinstance(obj, np.ndarray):
+            owner, obj = obj, obj.base
+        else:
+            obj = obj.obj
+    return owner
+
+
+def test_reads_across_segments_are_assembled() -> None:
+    whole = np.arange(100, dtype=np.uint8)
+    own = [(10, whole[10:30].copy().data), (60, whole[60:80].copy().data)]
+    segments = zipfmt._covering(100, own)
+    assert [(a, len(b)) for a, b in segments] == [(0, 10), (10, 20), (30, 30), (60, 20), (80, 20)]
+    rest = [b for a, b in segments if a in (0, 30, 80)]
+    assert all(b.obj is rest[0].obj for b in rest)  # the bytes between: one buffer of 60
+    assert len(np.frombuffer(rest[0].obj, np.uint8)) == 60
+    for a, b in segments:
+        if b.obj is rest[0].obj:
+            b[:] = whole[a : a + len(b)].tobytes()
+    src = zipfmt._Segments(segments, name="f")
+    assert src.size == 100
+    for a, b in itertools.combinations(range(101), 2):
+        assert bytes(src.read(a, b - a, "x")) == whole[a:b].tobytes(), (a, b)
+        assert b"".join(src.targets(a, b)) == whole[a:b].tobytes()
+    assert bytes(src.view()) == whole.tobytes()
+    assert src.read(15, 5, "x").obj is own[0][1].obj  # within one segment: a view of its buffer
+    with pytest.raises(FormatError):
+        src.read(90, 11, "x")
