@@ -81,6 +81,8 @@ class Run:
         self.work = Path(tempfile.mkdtemp(prefix="pytreeio-bench-", dir=args.dir))
         self.trees, self.configs = C.build_trees(self.size, args.layers)
         self.results: dict[str, Any] = {"errors": []}
+        mlp = self.leaves_of("mlp")
+        rawio.ARRAY_BYTES = max(1, C.tree_nbytes(self.trees["mlp"]) // len(mlp))  # tensor-sized
 
     def wanted(self, section: str, case: str) -> bool:
         return self.only is None or bool(self.only.search(f"{section}:{case}"))

@@ -4,8 +4,10 @@ Every baseline works on a *file set* (the files of one checkpoint, relative
 paths and sizes), so a format is compared with raw I/O of exactly its own
 bytes and layout.  Reads go into freshly allocated arrays, as a load must
 (page faults and kernel zero-fill included); the best raw read of a machine
-is the fastest of single-thread ``readinto``, multi-thread ``pread`` and
-``mmap`` + copy.
+is the fastest of single-thread ``readinto``, multi-thread ``pread`` (into one
+array per file, and into one array per tensor-sized piece: the allocator
+recycles memory of up to 32 MiB from one read to the next, a file-sized
+array is mapped and zero-filled afresh) and ``mmap`` + copy.
 """
 
 from __future__ import annotations
@@ -123,6 +125,43 @@ def read_pread(root: Path, files: FileSet, threads: int = 2) -> list[np.ndarray]
     return out
 
 
+#: Bytes per array of :func:`read_pread_arrays`: the benchmark tree's mean tensor size
+#: (bench_all sets it from the tree; 512 MiB in 64 leaves by default).
+ARRAY_BYTES = 8 << 20
+
+
+def read_pread_arrays(root: Path, files: FileSet, threads: int = 2) -> list[np.ndarray]:
+    """``threads`` threads ``pread`` every file into fresh arrays of :data:`ARRAY_BYTES` each,
+    as a load that gives each tensor an array of its own reads them."""
+    out = []
+    fds = []
+    jobs = []
+    try:
+        for path, size in _paths(root, files):
+            fd = os.open(path, os.O_RDONLY)
+            fds.append(fd)
+            for start in range(0, size, ARRAY_BYTES):
+                buf = np.empty(min(ARRAY_BYTES, size - start), np.uint8)
+                out.append(buf)
+                jobs.append((fd, memoryview(buf).cast("B"), start))
+        with ThreadPoolExecutor(threads) as pool:
+            for f in [pool.submit(_fill_at, *job) for job in jobs]:
+                f.result()
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return out
+
+
+def _fill_at(fd: int, view: memoryview, offset: int) -> None:
+    pos = 0
+    while pos < len(view):
+        n = os.preadv(fd, [view[pos:]], offset + pos)
+        if n == 0:
+            raise OSError(f"file shorter than {offset + len(view)} bytes")
+        pos += n
+
+
 def read_mmap_copy(root: Path, files: FileSet) -> list[np.ndarray]:
     """``mmap`` every file and copy it into a fresh array."""
     out = []
@@ -141,5 +180,6 @@ def read_mmap_copy(root: Path, files: FileSet) -> list[np.ndarray]:
 RAW_READS = {
     "readinto (1 thread)": read_readinto,
     "pread (2 threads)": read_pread,
+    "pread into arrays (2 threads)": read_pread_arrays,
     "mmap + copy": read_mmap_copy,
 }

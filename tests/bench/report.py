@@ -167,7 +167,8 @@ def markdown(results: dict[str, Any]) -> str:
         "ours / raw on the same files in the same run (higher is better). Saves are "
         "`durable=False` against raw `write`; loads read page-cached files (each read once "
         "before timing) into fresh arrays, against the best raw read of the same files "
-        "(fastest of 1-thread `readinto`, 2-thread `pread`, `mmap` + copy).",
+        "(fastest of 1-thread `readinto`, 2-thread `pread` into one array per file and into "
+        "tensor-sized arrays, `mmap` + copy).",
         "",
     ]
     t = results.get("throughput")
