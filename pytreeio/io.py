@@ -1112,8 +1112,9 @@ class FileSource(ByteSource):
         return memoryview(self.mapping())
 
     def mapping(self) -> _mmap.mmap:
-        """The whole (non-empty) file mapped read-only, as the ``mmap`` object (closable)."""
-        return _mmap.mmap(self._fd, 0, access=_mmap.ACCESS_READ)
+        """The (non-empty) file's :attr:`size` bytes mapped read-only, as the ``mmap`` object
+        (closable): the bytes a whole read would give, even if the file grew since it was opened."""
+        return _mmap.mmap(self._fd, self.size, access=_mmap.ACCESS_READ)
 
     def read_scattered(self, offset: int, buffers: Sequence[memoryview], field: str) -> None:
         """Fill ``buffers`` one after another from the file at ``offset`` (one ``preadv``).
