@@ -1117,23 +1117,28 @@ class FileSource(ByteSource):
         return _mmap.mmap(self._fd, self.size, access=_mmap.ACCESS_READ)
 
     def read_scattered(self, offset: int, buffers: Sequence[memoryview], field: str) -> None:
-        """Fill ``buffers`` one after another from the file at ``offset`` (one ``preadv``).
+        """Fill ``buffers`` one after another from the file at ``offset``.
 
-        Adjacent ranges (tensors and the headers between them) cost one system
-        call instead of one each; at most :data:`IOV_MAX` buffers.
+        Adjacent ranges (tensors and the headers between them) cost one
+        ``preadv`` per :data:`IOV_MAX` buffers instead of one call each.
         """
         n = sum(len(b) for b in buffers)
         self._check_range(offset, n, field)
-        got = os.preadv(self._fd, buffers, offset)
-        if got < n:  # a short read (a signal, a file that shrank): the rest buffer by buffer
-            pos = 0
-            for b in buffers:
-                if pos + len(b) > got:
-                    start = max(0, got - pos)
-                    _read_range(
-                        self._fd, b, start, len(b), self.name or "", file_offset=pos + offset
-                    )
-                pos += len(b)
+        at = offset
+        for k in range(0, len(buffers), IOV_MAX):
+            batch = buffers[k : k + IOV_MAX]
+            want = sum(len(b) for b in batch)
+            got = os.preadv(self._fd, batch, at)
+            if got < want:  # a short read (a signal, a file that shrank): the rest one by one
+                pos = 0
+                for b in batch:
+                    if pos + len(b) > got:
+                        start = max(0, got - pos)
+                        _read_range(
+                            self._fd, b, start, len(b), self.name or "", file_offset=at + pos
+                        )
+                    pos += len(b)
+            at += want
         self.bytes_read += n
 
     def close(self) -> None:

@@ -328,3 +328,37 @@ def test_errors_name_the_file_and_failed_loads_leave_no_view_of_the_mapping(
     assert maps
     for m in maps:
         m.close()  # BufferError if a view of it outlived the failed load
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_scattered_reads_fill_every_buffer_past_iov_max_and_short_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, short: bool
+) -> None:
+    data = np.random.default_rng(3).integers(0, 256, 40_000, dtype=np.uint8).tobytes()
+    path = tmp_path / "x.bin"
+    path.write_bytes(data)
+    if short:  # every preadv stops halfway: the rest is read buffer by buffer
+        real = io.os.preadv
+
+        def halfway(fd: int, buffers: Any, offset: int) -> int:
+            if len(buffers) == 1:
+                return real(fd, buffers, offset)
+            total = sum(len(b) for b in buffers)
+            keep, got = [], 0
+            for b in buffers:
+                if got + len(b) > total // 2:
+                    break
+                keep.append(b)
+                got += len(b)
+            return real(fd, keep, offset) if keep else 0
+
+        monkeypatch.setattr(io.os, "preadv", halfway)
+    sizes = [1 + (i % 13) for i in range(io.IOV_MAX * 2 + 500)]  # more buffers than one call takes
+    bufs = [memoryview(bytearray(n)) for n in sizes]
+    with io.FileSource(path) as src:
+        src.read_scattered(100, bufs, "x")
+        assert src.bytes_read == sum(sizes)
+        assert b"".join(bytes(b) for b in bufs) == data[100 : 100 + sum(sizes)]
+        with pytest.raises(ptio.FormatError) as info:
+            src.read_scattered(len(data) - 5, [memoryview(bytearray(6))], "tail")
+        assert info.value.field == "tail" and info.value.offset == len(data) - 5
