@@ -237,7 +237,7 @@ def _copy_into(store: np.ndarray, copies: list[tuple[memoryview, int]]) -> None:
         for block in blocks:
             copy(block)
         return
-    for _ in io._get_pool().map(copy, blocks):  # re-raises the first failure
+    for _ in io.read_pool().map(copy, blocks):  # re-raises the first failure
         pass
 
 

@@ -1001,13 +1001,9 @@ def _read_range(
         pos += n
 
 
-def _get_pool() -> ThreadPoolExecutor:
-    """The pool that reads large files in blocks (four threads: page faults in parallel)."""
-    return _POOL.get()
-
-
 def read_pool() -> ThreadPoolExecutor:
-    """The pool whose threads read files (:func:`pytreeio.pools.share` it for reads of your own)."""
+    """The pool that reads large files in blocks (four threads: page faults in parallel);
+    :mod:`pytreeio.mapped_load` shares it for its reads."""
     return _POOL.get()
 
 
@@ -1032,7 +1028,7 @@ def _read_ranges(fd: int, view: memoryview, file_offset: int, name: str) -> None
         _read_range(fd, view, 0, size, name, file_offset=file_offset)
         return
     run_all(
-        _get_pool(),
+        read_pool(),
         lambda start: _read_range(
             fd, view, start, min(start + _PARALLEL_BLOCK, size), name, file_offset=file_offset
         ),

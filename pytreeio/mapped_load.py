@@ -65,7 +65,10 @@ class _Map:
     source: io.FileSource
     mapping: _mmap.mmap
     start: int
-    stop: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.source.size
 
 
 @dataclass
@@ -89,7 +92,7 @@ class _Reads:
             return src.read(0, src.size, name)
         view = memoryview(mapping)
         start = np.frombuffer(view, np.uint8, 1).__array_interface__["data"][0]
-        self.maps.append(_Map(src, mapping, start, start + src.size))
+        self.maps.append(_Map(src, mapping, start))
         return view
 
     def close_maps(self) -> bool:

@@ -35,7 +35,7 @@ def test_cores_follow_the_affinity_and_every_per_core_pool_uses_them() -> None:
         assert n == min(pools.MAX_THREADS, len(os.sched_getaffinity(0)))
     assert transpose.threads() == crc.threads() == n
     assert transpose.pool()._max_workers == crc.pool()._max_workers == n
-    assert io._get_pool()._max_workers == 4  # the reads: page faults in parallel
+    assert io.read_pool()._max_workers == 4  # the reads: page faults in parallel
 
 
 def limit_threads(monkeypatch: pytest.MonkeyPatch, allowed: int) -> list[str]:

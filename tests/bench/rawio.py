@@ -75,12 +75,13 @@ def raw_write(root: Path, files: FileSet, sources: Sequence[Any], durable: bool)
             os.close(fd)
 
 
-def _fill(fd: int, view: memoryview, start: int, stop: int) -> None:
-    pos = start
-    while pos < stop:
-        n = os.preadv(fd, [view[pos:stop]], pos)
+def _fill(fd: int, view: memoryview, offset: int) -> None:
+    """Fill ``view`` from the file at ``offset``."""
+    pos = 0
+    while pos < len(view):
+        n = os.preadv(fd, [view[pos:]], offset + pos)
         if n == 0:
-            raise OSError(f"file shorter than {stop} bytes")
+            raise OSError(f"file shorter than {offset + len(view)} bytes")
         pos += n
 
 
@@ -102,27 +103,8 @@ def read_readinto(root: Path, files: FileSet) -> list[np.ndarray]:
 
 
 def read_pread(root: Path, files: FileSet, threads: int = 2) -> list[np.ndarray]:
-    """``threads`` threads ``pread`` 16 MiB blocks of every file into fresh arrays."""
-    out = []
-    fds = []
-    jobs = []
-    try:
-        for path, size in _paths(root, files):
-            fd = os.open(path, os.O_RDONLY)
-            fds.append(fd)
-            buf = np.empty(size, np.uint8)
-            out.append(buf)
-            view = memoryview(buf).cast("B")
-            jobs += [
-                (fd, view, s, min(s + _PREAD_BLOCK, size)) for s in range(0, size, _PREAD_BLOCK)
-            ]
-        with ThreadPoolExecutor(threads) as pool:
-            for f in [pool.submit(_fill, *job) for job in jobs]:
-                f.result()
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return out
+    """``threads`` threads ``pread`` 16 MiB blocks of every file into a fresh array per file."""
+    return _pread_all(root, files, threads, array_bytes=None)
 
 
 #: Bytes per array of :func:`read_pread_arrays`: the benchmark tree's mean tensor size
@@ -133,6 +115,14 @@ ARRAY_BYTES = 8 << 20
 def read_pread_arrays(root: Path, files: FileSet, threads: int = 2) -> list[np.ndarray]:
     """``threads`` threads ``pread`` every file into fresh arrays of :data:`ARRAY_BYTES` each,
     as a load that gives each tensor an array of its own reads them."""
+    return _pread_all(root, files, threads, array_bytes=ARRAY_BYTES)
+
+
+def _pread_all(
+    root: Path, files: FileSet, threads: int, array_bytes: int | None
+) -> list[np.ndarray]:
+    """Every file in fresh arrays of ``array_bytes`` (None: one per file), read by ``threads``
+    threads in blocks of at most 16 MiB."""
     out = []
     fds = []
     jobs = []
@@ -140,26 +130,24 @@ def read_pread_arrays(root: Path, files: FileSet, threads: int = 2) -> list[np.n
         for path, size in _paths(root, files):
             fd = os.open(path, os.O_RDONLY)
             fds.append(fd)
-            for start in range(0, size, ARRAY_BYTES):
-                buf = np.empty(min(ARRAY_BYTES, size - start), np.uint8)
+            step = array_bytes or max(size, 1)
+            for start in range(0, size, step):
+                buf = np.empty(min(step, size - start), np.uint8)
                 out.append(buf)
-                jobs.append((fd, memoryview(buf).cast("B"), start))
+                view = memoryview(buf).cast("B")
+                jobs += [
+                    (fd, view[s : s + _PREAD_BLOCK], start + s)
+                    for s in range(0, len(view), _PREAD_BLOCK)
+                ]
+            if size == 0:
+                out.append(np.empty(0, np.uint8))
         with ThreadPoolExecutor(threads) as pool:
-            for f in [pool.submit(_fill_at, *job) for job in jobs]:
+            for f in [pool.submit(_fill, *job) for job in jobs]:
                 f.result()
     finally:
         for fd in fds:
             os.close(fd)
     return out
-
-
-def _fill_at(fd: int, view: memoryview, offset: int) -> None:
-    pos = 0
-    while pos < len(view):
-        n = os.preadv(fd, [view[pos:]], offset + pos)
-        if n == 0:
-            raise OSError(f"file shorter than {offset + len(view)} bytes")
-        pos += n
 
 
 def read_mmap_copy(root: Path, files: FileSet) -> list[np.ndarray]:
