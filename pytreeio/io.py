@@ -1171,14 +1171,15 @@ class FileSet(Mapping[str, Any]):
 
     def __init__(
         self,
-        paths: Mapping[str, Path],
+        paths: Mapping[str, str | os.PathLike[str]],
         *,
         mmap: bool = False,
         headers: bool = False,
         fds: Mapping[str, int] | None = None,
         dir_fd: int | None = None,
     ) -> None:
-        self.paths = {k: v if isinstance(v, Path) else Path(v) for k, v in paths.items()}
+        # strings: a directory of thousands of files would spend more on Path objects
+        self.paths = {k: os.fspath(v) for k, v in paths.items()}
         self._mmap = mmap
         self._headers = headers
         self._fds: dict[str, int] = dict(fds or {})
@@ -1206,7 +1207,8 @@ class FileSet(Mapping[str, Any]):
         except BaseException:
             _release([*fds.values(), dir_fd])
             raise
-        paths = {n: base.joinpath(*n.split("/")) for n in names}
+        prefix = os.path.join(base, "")  # the root and one separator: names are POSIX paths
+        paths = {n: prefix + n for n in names}
         return cls(paths, mmap=mmap, headers=headers, fds=fds, dir_fd=dir_fd)
 
     @classmethod
@@ -1222,16 +1224,16 @@ class FileSet(Mapping[str, Any]):
         if fd is not None:
             if self._headers:
                 return FileSource(path, fd=os.dup(fd))
-            return _read_fd(fd, os.fspath(path), self._mmap)
+            return _read_fd(fd, path, self._mmap)
         if self._dir_fd is not None:
             try:
                 fd = os.open(name, os.O_RDONLY | _O_CLOEXEC, dir_fd=self._dir_fd)
             except OSError as exc:
-                raise type(exc)(exc.errno, exc.strerror, os.fspath(path)) from None
+                raise type(exc)(exc.errno, exc.strerror, path) from None
             if self._headers:
                 return FileSource(path, fd=fd)
             try:
-                return _read_fd(fd, os.fspath(path), self._mmap)
+                return _read_fd(fd, path, self._mmap)
             finally:
                 os.close(fd)
         return FileSource(path) if self._headers else read_file(path, mmap=self._mmap)
@@ -1249,7 +1251,7 @@ class FileSet(Mapping[str, Any]):
             try:
                 fd = os.open(name, os.O_RDONLY | _O_CLOEXEC, dir_fd=self._dir_fd)
             except OSError as exc:
-                raise type(exc)(exc.errno, exc.strerror, os.fspath(path)) from None
+                raise type(exc)(exc.errno, exc.strerror, path) from None
             return FileSource(path, fd=fd)
         return FileSource(path)
 
@@ -1263,7 +1265,7 @@ class FileSet(Mapping[str, Any]):
         return len(self.paths)
 
     def path_of(self, name: str) -> str:
-        return os.fspath(self.paths[name])
+        return self.paths[name]
 
     def close(self) -> None:
         """Close the files held open (buffers and maps already returned stay valid)."""
@@ -1352,6 +1354,8 @@ def _walk(root: Path, *, dir_fd: int | None = None, limit: int | None = None) ->
     ``root`` may itself be a symlink to a directory; below it, symlinked
     directories are not descended into and symlinked files count only when
     they resolve to a file inside ``root``.  ``dir_fd``: ``root`` already open.
+    Each directory's files come sorted, then its subdirectories' (sorted, depth
+    first).  Nesting deeper than :data:`MAX_DEPTH` is a :class:`FormatError`.
     """
     if dir_fd is None:
         fd = os.open(root, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
@@ -1362,29 +1366,89 @@ def _walk(root: Path, *, dir_fd: int | None = None, limit: int | None = None) ->
         return
     base = os.path.realpath(root)
     count = 0
-    walker: Any = os.fwalk(".", dir_fd=dir_fd)
-    with contextlib.closing(walker):
-        for dirpath, dirnames, filenames, dfd in walker:
-            dirnames[:] = sorted(d for d in dirnames if not _OWN_FILE.search(d))
-            rel_dir = os.path.relpath(dirpath, ".")
-            for fn in sorted(filenames):
-                if _OWN_FILE.search(fn):
-                    continue
-                rel = fn if rel_dir == "." else f"{rel_dir}/{fn}"
-                try:
-                    st = os.stat(fn, dir_fd=dfd, follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISLNK(st.st_mode):
-                    real = os.path.realpath(os.path.join(base, rel))
-                    if not real.startswith(base + os.sep) or not os.path.isfile(real):
-                        continue
-                elif not stat.S_ISREG(st.st_mode):
-                    continue
-                yield rel.replace(os.sep, "/")
+    # the path walked down: (relative directory, descriptor, subdirectories left); a
+    # loop, not recursion, holding only these descriptors open
+    path: list[tuple[str, int, Iterator[str]]] = []
+    rel_dir, fd = "", dir_fd
+    try:
+        while True:
+            try:
+                files, dirs = _scan(fd, base, rel_dir)
+            except BaseException:
+                if fd != dir_fd:
+                    os.close(fd)
+                raise
+            path.append((rel_dir, fd, iter(dirs)))
+            for fn in files:
+                yield rel_dir + fn
                 count += 1
                 if limit is not None and count >= limit:
                     return
+            sub = None
+            while path and sub is None:
+                parent, parent_fd, left = path[-1]
+                sub = _next_subdir(parent_fd, left)
+                if sub is None:
+                    path.pop()
+                    if parent_fd != dir_fd:
+                        os.close(parent_fd)
+            if sub is None:
+                return
+            name, fd = sub
+            rel_dir = f"{parent}{name}/"
+            if len(path) > MAX_DEPTH:
+                os.close(fd)
+                raise FormatError(
+                    f"directories nested deeper than {MAX_DEPTH} levels",
+                    path=os.path.join(os.fspath(root), rel_dir),
+                )
+    finally:
+        _release([f for _, f, _ in path if f != dir_fd])
+
+
+#: Directory levels below a checkpoint's root that a walk descends (checkpoints use two or three).
+MAX_DEPTH = 64
+_SUBDIR_FLAGS = os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+
+
+def _next_subdir(parent_fd: int, left: Iterator[str]) -> tuple[str, int] | None:
+    """The next of ``left`` that opens as a directory (O_NOFOLLOW: one swapped for a symlink
+    since the scan is skipped), with its descriptor; None when none is left."""
+    for name in left:
+        try:
+            return name, os.open(name, _SUBDIR_FLAGS, dir_fd=parent_fd)
+        except OSError:
+            continue
+    return None
+
+
+def _scan(fd: int, base: str, rel_dir: str) -> tuple[list[str], list[str]]:
+    """(regular files, subdirectories) of the open directory ``fd``, sorted, own files left out.
+
+    File types come from the directory entries (``d_type``: no ``stat`` per file
+    where the file system reports them).
+    """
+    files: list[str] = []
+    dirs: list[str] = []
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            name = entry.name
+            if _OWN_FILE.search(name):
+                continue
+            try:
+                if entry.is_file(follow_symlinks=False):
+                    files.append(name)
+                elif entry.is_dir(follow_symlinks=False):
+                    dirs.append(name)
+                elif entry.is_symlink():
+                    real = os.path.realpath(os.path.join(base, rel_dir, name))
+                    if real.startswith(base + os.sep) and os.path.isfile(real):
+                        files.append(name)
+            except OSError:  # gone since the listing
+                continue
+    files.sort()
+    dirs.sort()
+    return files, dirs
 
 
 # --------------------------------------------------------------------------

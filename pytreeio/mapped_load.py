@@ -10,11 +10,12 @@ threshold (32 MiB at most) the allocator hands back memory that earlier
 arrays freed, already mapped.
 
 So :func:`decode_path` gives ``decode`` each file of at least
-:data:`MAP_MIN` bytes mapped read-only, where it touches only the pages of
-the headers it parses.  Every array of the result that lies in a mapping
+:data:`MAP_MIN` bytes (:data:`MAP_MIN_IN_SET` for the files of a directory
+or sibling set) mapped read-only, where it touches only the pages of the
+headers it parses.  Every array of the result that lies in a mapping
 (found in the native tree and the meta document: dicts, lists, tuples and
-NamedTuples,
-rebuilt, never mutated) is then read into a new array of the same dtype,
+NamedTuples, rebuilt, never mutated) is then read, on the calling thread's
+allocations, into a new array of the same dtype,
 byte order, shape and memory order -- adjacent arrays and the bytes between
 them in one ``preadv``, large ones in blocks on a few threads -- and each
 mapping is closed.  ``decode`` is the same function on the same bytes: it
@@ -44,10 +45,14 @@ import numpy as np
 from . import io
 from .pools import cores, share
 
-__all__ = ["decode_path", "MAP_MIN"]
+__all__ = ["decode_path", "MAP_MIN", "MAP_MIN_IN_SET"]
 
 #: Files at least this large are mapped for ``decode`` and their arrays read one by one.
 MAP_MIN = 32 << 20
+#: The same for a directory's or sibling set's files: smaller, because a format may read
+#: them on its own threads (cl-waffe2's read-ahead), whose allocations cannot reuse the
+#: memory the calling thread's arrays freed; mapping one costs under 1% of reading 4 MiB.
+MAP_MIN_IN_SET = 4 << 20
 # Header bytes between two arrays that one preadv reads (into scratch) rather than skipping.
 _GAP_MAX = 64 << 10
 # Bytes one preadv fills at most: the unit of work of the reading threads.
@@ -82,9 +87,10 @@ class _Reads:
     maps: list[_Map] = field(default_factory=list)
     opened: list[io.FileSource] = field(default_factory=list)
 
-    def buffer(self, src: io.FileSource, name: str) -> memoryview:
-        """``src``'s bytes for ``decode``: mapped when large (tracked), else read whole."""
-        if self.whole or src.size < MAP_MIN:
+    def buffer(self, src: io.FileSource, name: str, map_min: int | None = None) -> memoryview:
+        """``src``'s bytes for ``decode``: mapped when at least ``map_min`` bytes (default
+        :data:`MAP_MIN`; tracked), else read whole."""
+        if self.whole or src.size < (MAP_MIN if map_min is None else map_min):
             return src.read(0, src.size, name)
         try:
             mapping = src.mapping()
@@ -122,7 +128,7 @@ class _Files(io.FilesOf[io.FileSet]):
     def __getitem__(self, name: str) -> Any:
         src = self._files[name]  # a FileSource of its own (headers=True)
         self._reads.opened.append(src)
-        return self._reads.buffer(src, name)
+        return self._reads.buffer(src, name, MAP_MIN_IN_SET)
 
     def ranges(self, name: str) -> io.FileSource | None:
         return self._files.ranges(name)

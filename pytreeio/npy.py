@@ -59,6 +59,7 @@ from .zip import ZipMember, check_member_name, member_data, read_zip_directory
 __all__ = [
     "NpyHeader",
     "parse_npy_header",
+    "array_after_header",
     "read_npy",
     "npy_header",
     "encode_npy",
@@ -249,7 +250,12 @@ def read_npy(
     trailing bytes are an error, both reported at their offset.
     """
     r = Reader(buffer, source=source, start=start)
-    h = parse_npy_header(r, field)
+    return array_after_header(r, parse_npy_header(r, field), field)
+
+
+def array_after_header(r: Reader, h: NpyHeader, field: str = "npy") -> np.ndarray:
+    """The array of header ``h`` (just parsed from ``r``), a view of the rest of ``r``'s
+    buffer, which it must fill exactly (as :func:`read_npy`)."""
     data_at = r.offset
     if h.nbytes != r.remaining:
         what = "truncated" if h.nbytes > r.remaining else "trailing bytes"

@@ -779,6 +779,45 @@ def test_directory_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert fp.kind == "file" and fp.names is None and fp.head == b"secret"
 
 
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_walk_order_special_files_descriptors_and_depth(tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    for rel in ["b.bin", "a.bin", "z/2.bin", "z/1.bin", "y/x/deep.bin", "y/top.bin"]:
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_bytes(b"x")
+    os.mkfifo(d / "pipe")  # neither read nor waited on
+    (d / "dangling").symlink_to(tmp_path / "missing")
+    before = _open_fds()
+    # each directory's files sorted, then its subdirectories' in order, depth first
+    assert list(io._walk(d)) == [
+        "a.bin",
+        "b.bin",
+        "y/top.bin",
+        "y/x/deep.bin",
+        "z/1.bin",
+        "z/2.bin",
+    ]
+    assert list(io._walk(d, limit=3)) == ["a.bin", "b.bin", "y/top.bin"]
+    stopped = io._walk(d)
+    assert [next(stopped), next(stopped), next(stopped)] == ["a.bin", "b.bin", "y/top.bin"]
+    stopped.close()  # a walk left halfway closes the directories it holds
+    assert io.walk(d) == sorted(io.walk(d))
+    assert _open_fds() == before
+    deep = d / "n"
+    deep.mkdir()
+    for _ in range(io.MAX_DEPTH):
+        deep = deep / "n"
+        deep.mkdir()
+    (deep / "leaf.bin").write_bytes(b"x")
+    with pytest.raises(ptio.FormatError, match="nested deeper than"):
+        list(io._walk(d))
+    assert _open_fds() == before
+
+
 def test_siblings_probe(tmp_path: Path) -> None:
     (tmp_path / "x.npz").write_bytes(b"PK\x03\x04junk")
     pr = io.probe(tmp_path / "x", SIB)

@@ -48,6 +48,7 @@ class _Counts(list[int]):
 def mapped(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Counts]:
     """Every file mapped; counts the mappings made and the loads that fell back."""
     monkeypatch.setattr(mapped_load, "MAP_MIN", 0)
+    monkeypatch.setattr(mapped_load, "MAP_MIN_IN_SET", 0)
     counts = _Counts()
     real = mapped_load._decode_mapped
     real_mapping = io.FileSource.mapping
@@ -302,6 +303,47 @@ def test_small_files_are_still_read_into_one_buffer(tmp_path: Path) -> None:
     out = ptio.load(path)
     assert out["a"].base is not None and out["b"].base is not None
     assert np.shares_memory(out["a"].base, out["b"].base) or out["a"].base is out["b"].base
+
+
+def test_a_directorys_files_are_mapped_from_a_lower_size_than_single_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cl-waffe2 reads its tensor files on its own threads: from MAP_MIN_IN_SET bytes a
+    directory's file is mapped (its arrays allocated by the calling thread); a single file
+    of the same size is still read whole."""
+    monkeypatch.setattr(mapped_load, "MAP_MIN_IN_SET", 4096)
+    maps: list[str] = []
+    real_mapping = io.FileSource.mapping
+
+    def mapping(self: io.FileSource) -> mmap.mmap:
+        maps.append(Path(self.name).name)
+        return real_mapping(self)
+
+    monkeypatch.setattr(io.FileSource, "mapping", mapping)
+    rng = np.random.default_rng(3)
+    weights = [rng.standard_normal((32, 64), dtype=np.float32) for _ in range(3)]
+    native = {
+        "param": {
+            "linearlayer": {
+                str(i): {"weights": w.ravel(), "bias": np.arange(32, dtype=np.float32) + i}
+                for i, w in enumerate(weights)
+            }
+        }
+    }
+    ckpt = tmp_path / "m.wf2model"
+    ptio.save(ckpt, native, format="waffe2")
+    out = ptio.load(ckpt, format="waffe2")
+    assert sorted(maps) == [f"param:linearlayer.{i}.weights.npy" for i in range(3)]
+    for i, w in enumerate(weights):
+        got = out["param"]["linearlayer"][str(i)]
+        assert np.array_equal(got["weights"], w.ravel())
+        assert got["weights"].flags.writeable and not _mapped_base(got["weights"])
+        assert np.array_equal(got["bias"], np.arange(32, dtype=np.float32) + i)
+    maps.clear()
+    single = tmp_path / "one.safetensors"
+    ptio.save(single, {"w": weights[0]})
+    assert np.array_equal(ptio.load(single)["w"], weights[0])
+    assert maps == []
 
 
 def test_errors_name_the_file_and_failed_loads_leave_no_view_of_the_mapping(

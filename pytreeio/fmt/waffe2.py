@@ -907,7 +907,7 @@ def _read_tensor(source: Mapping[str, Any], name: str) -> np.ndarray:
             field="npy.header.fortran_order",
             offset=10,
         )
-    return npy.read_npy(buf, source=name, field="npy")
+    return npy.array_after_header(r, h, "npy")
 
 
 def _check_number(key: StateDictKey, value: Any, raw: str) -> Any:
@@ -1036,13 +1036,14 @@ def decode(source: Mapping[str, Any]) -> Decoded:
     doc = _document(params_json)
     side = _read_sidecar(source[SIDECAR], params_json) if SIDECAR in names else None
     native: dict[str, Any] = {}
-    tensors: dict[str, np.ndarray] = {}
+    tensors: dict[str, tuple[StateDictKey, np.ndarray]] = {}
     checked = _checked(doc)
     read = _ReadAhead(source, _files_named(checked, names))
     try:
         for raw, key, value in checked:
             if isinstance(value, str):
-                value = tensors[raw] = read.get(tensor_file(value, raw, names))
+                value = read.get(tensor_file(value, raw, names))
+                tensors[raw] = key, value
             _insert(native, key, value, raw)
     finally:
         read.close()
@@ -1080,8 +1081,9 @@ class _ReadAhead:
 
     def __init__(self, source: Mapping[str, Any], names: Sequence[str]) -> None:
         self._source = source
-        self._done: dict[str, np.ndarray] = {}
-        self._jobs: dict[str, Any] = {}
+        self._done: dict[str, np.ndarray | Exception] = {}
+        self._jobs: dict[str, Any] = {}  # file name -> the job reading its run
+        self._runs: list[Any] = []
         if len(names) > 1:
             from ..pools import cores
             from ..transpose import pool
@@ -1091,25 +1093,31 @@ class _ReadAhead:
             for at in range(0, len(names), per_job):
                 run = names[at : at + per_job]
                 job = workers.submit(_read_run, source, run)
+                self._runs.append(job)
                 self._jobs.update(dict.fromkeys(run, job))
 
     def get(self, name: str) -> np.ndarray:
-        if name not in self._done:
+        value = self._done.get(name)
+        if value is None:
             job = self._jobs.pop(name, None)
-            value = job.result()[name] if job else _read_tensor(self._source, name)
-            if isinstance(value, Exception):
-                raise value
-            self._done[name] = value
-        return self._done[name]
+            if job is None:
+                value = self._done[name] = _read_tensor(self._source, name)
+            else:  # the whole run is done: take all of it (its errors too)
+                self._done.update(job.result())
+                value = self._done[name]
+        if isinstance(value, Exception):
+            raise value
+        return value
 
     def close(self) -> None:
         """Wait for reads still running (the source may be closed once decode returns)."""
-        for job in self._jobs.values():
+        for job in self._runs:
             job.cancel()
-        for job in self._jobs.values():
+        for job in self._runs:
             if not job.cancelled():
                 job.exception()
         self._jobs = {}
+        self._runs = []
 
 
 #: Read-ahead jobs per pool thread (see :class:`_ReadAhead`).
@@ -1133,22 +1141,23 @@ def _read_run(source: Mapping[str, Any], names: Sequence[str]) -> dict[str, np.n
 
 def _apply_shapes(
     native: dict[str, Any],
-    tensors: Mapping[str, np.ndarray],
+    tensors: Mapping[str, tuple[StateDictKey, np.ndarray]],
     shapes: Mapping[str, tuple[int, ...]],
 ) -> None:
+    """Reshape the tensors the sidecar gives shapes of (``tensors``: key text -> (key, array)),
+    in their places in ``native``."""
     for raw, shape in shapes.items():
         if raw not in tensors:
             raise FormatError(
                 f"names {raw!r}, not a tensor of parameters.json", path=SIDECAR, field=raw
             )
-        arr = tensors[raw]
+        key, arr = tensors[raw]
         if math.prod(shape) != arr.size:
             raise FormatError(
                 f"shape {list(shape)} has {math.prod(shape)} elements, the file {arr.size}",
                 path=SIDECAR,
                 field=raw,
             )
-        key = parse_state_dict_key(raw)
         node = native[key.prefix]
         parts = _ident_of(key)[1:]
         for p in parts[:-1]:
