@@ -13,10 +13,10 @@ import os
 import sys
 import traceback
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from . import io, registry
 from .binary import BufferSource, as_memoryview
@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 PathLike = str | os.PathLike[str]
+T = TypeVar("T")
 
 
 def formats() -> dict[str, Format]:
@@ -363,6 +364,31 @@ def _decode_path(
     with every file read into one buffer."""
     fmt = _format_for_load(path, format)
     fmt.check_options(options, "load")
+    return _reopening(lambda: _decode_opened(path, fmt, mmap, options, own_arrays))
+
+
+#: Times in all that a load or inspect opens a checkpoint that changed while it was read.
+_OPENS = 3
+
+
+def _reopening(read: Callable[[], T]) -> T:
+    """``read()``, run again while the checkpoint it reads is replaced under it.
+
+    A directory's files beyond the first few are opened when they are read, relative
+    to the directory opened: a save that replaces the checkpoint meanwhile removes them
+    (:class:`pytreeio.io.ChangedWhileOpen`).  Opening it again reads the new one whole.
+    """
+    for _ in range(_OPENS - 1):
+        try:
+            return read()
+        except io.ChangedWhileOpen:
+            continue
+    return read()
+
+
+def _decode_opened(
+    path: PathLike, fmt: Format, mmap: bool, options: Mapping[str, Any], own_arrays: bool
+) -> tuple[Format, Any, dict[str, Any]]:
     if mmap or not own_arrays:
         source = io.open_source(path, fmt.layout, mmap=mmap)
         try:
@@ -468,12 +494,16 @@ def load_with_meta(
 def inspect(path: PathLike, format: str | Format | None = None) -> Info:
     """What a checkpoint holds (entries, shapes, dtypes, meta), reading headers only."""
     fmt = _format_for_load(path, format)
-    source = io.open_source(path, fmt.layout, headers=True)
-    try:
-        with _errors_located(path, source):
-            info = fmt.inspect(source)
-    finally:
-        _close(source)
+
+    def read() -> Info:
+        source = io.open_source(path, fmt.layout, headers=True)
+        try:
+            with _errors_located(path, source):
+                return fmt.inspect(source)
+        finally:
+            _close(source)
+
+    info = _reopening(read)
     return Info(format=info.format, entries=info.entries, meta=info.meta, path=os.fspath(path))
 
 

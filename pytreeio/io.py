@@ -121,6 +121,7 @@ __all__ = [
     "FileSource",
     "FileSet",
     "FilesOf",
+    "ChangedWhileOpen",
     "walk",
     "read_chunks",
     "read_head",
@@ -1159,6 +1160,15 @@ class FileSource(ByteSource):
 _EAGER_OPEN = 128
 
 
+class ChangedWhileOpen(FileNotFoundError):
+    """A file a :class:`FileSet` listed when it was opened is gone when read: the checkpoint
+    was replaced or changed since (a save elsewhere removed the files of the one it replaced).
+
+    :func:`pytreeio.load` and :func:`pytreeio.inspect` open the checkpoint again when they
+    meet it; a lazy view (:func:`pytreeio.open`) raises it.
+    """
+
+
 class FileSet(Mapping[str, Any]):
     """Named files of a checkpoint, read on access.
 
@@ -1226,10 +1236,7 @@ class FileSet(Mapping[str, Any]):
                 return FileSource(path, fd=os.dup(fd))
             return _read_fd(fd, path, self._mmap)
         if self._dir_fd is not None:
-            try:
-                fd = os.open(name, os.O_RDONLY | _O_CLOEXEC, dir_fd=self._dir_fd)
-            except OSError as exc:
-                raise type(exc)(exc.errno, exc.strerror, path) from None
+            fd = self._open_listed(name, path)
             if self._headers:
                 return FileSource(path, fd=fd)
             try:
@@ -1248,12 +1255,24 @@ class FileSet(Mapping[str, Any]):
         if fd is not None:
             return FileSource(path, fd=os.dup(fd))
         if self._dir_fd is not None:
-            try:
-                fd = os.open(name, os.O_RDONLY | _O_CLOEXEC, dir_fd=self._dir_fd)
-            except OSError as exc:
-                raise type(exc)(exc.errno, exc.strerror, path) from None
-            return FileSource(path, fd=fd)
+            return FileSource(path, fd=self._open_listed(name, path))
         return FileSource(path)
+
+    def _open_listed(self, name: str, path: str) -> int:
+        """A descriptor of ``name``, a file the directory held when it was listed, opened
+        relative to that directory (so never from one swapped in since)."""
+        assert self._dir_fd is not None
+        try:
+            return os.open(name, os.O_RDONLY | _O_CLOEXEC, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            raise ChangedWhileOpen(
+                errno.ENOENT,
+                "gone since the checkpoint was opened: it was replaced or changed meanwhile "
+                "(a concurrent save?)",
+                path,
+            ) from None
+        except OSError as exc:
+            raise type(exc)(exc.errno, exc.strerror, path) from None
 
     def __contains__(self, name: object) -> bool:  # Mapping's default would read the file
         return name in self.paths

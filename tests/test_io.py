@@ -15,6 +15,7 @@ import threading
 import time
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -503,6 +504,96 @@ def test_concurrent_saves_and_loads_in_threads_never_mix(tmp_path: Path) -> None
     rd.join(30)
     assert errors == []
     assert _leftovers(tmp_path) == []
+
+
+def _waffe2_tree(value: float, width: int) -> dict[str, Any]:
+    return {
+        "param": {
+            "linearlayer": {
+                str(i): {
+                    "weights": np.full(width * 4, value, np.float32),
+                    "bias": np.full(width, value, np.float32),
+                }
+                for i in range(3)
+            }
+        }
+    }
+
+
+def _values(tree: Any) -> set[float]:
+    layers = tree["param"]["linearlayer"].values()
+    return {float(v) for layer in layers for a in layer.values() for v in np.unique(a)}
+
+
+@pytest.fixture
+def lazy_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cl-waffe2 directory of which a FileSet opens one file up front, the rest on access."""
+    monkeypatch.setattr(io, "_EAGER_OPEN", 1)
+    path = tmp_path / "m.wf2model"
+    ptio.save(path, _waffe2_tree(1.0, 4), format="waffe2")
+    return path
+
+
+def test_a_load_meeting_a_replaced_directory_reads_the_new_one_whole(
+    lazy_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save between a load's opening of a directory and its reading of the files opened on
+    access removes them: the load opens the checkpoint again, never mixes or fails."""
+    from pytreeio import mapped_load
+
+    real = mapped_load.decode_path
+    calls: list[int] = []
+
+    def replaced_once(opened: Any, decode: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            ptio.save(lazy_dir, _waffe2_tree(2.0, 8), format="waffe2", durable=False)
+        return real(opened, decode)
+
+    monkeypatch.setattr(mapped_load, "decode_path", replaced_once)
+    got = ptio.load(lazy_dir, format="waffe2")
+    assert len(calls) == 2 and _values(got) == {2.0}
+    assert got["param"]["linearlayer"]["0"]["bias"].shape == (8,)
+
+    def replaced_always(opened: Any, decode: Any) -> Any:
+        calls.append(1)
+        ptio.save(lazy_dir, _waffe2_tree(float(len(calls)), 4), format="waffe2", durable=False)
+        return real(opened, decode)
+
+    calls.clear()
+    monkeypatch.setattr(mapped_load, "decode_path", replaced_always)
+    with pytest.raises(io.ChangedWhileOpen, match="gone since the checkpoint was opened") as e:
+        ptio.load(lazy_dir, format="waffe2")
+    assert isinstance(e.value, FileNotFoundError) and str(lazy_dir) in str(e.value.filename)
+    assert len(calls) == 3  # opened three times in all, then it gives up
+
+
+def test_inspect_meeting_a_replaced_directory_reads_the_new_one(
+    lazy_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = io.open_source
+    opens: list[int] = []
+
+    def opened_then_replaced(*args: Any, **kwargs: Any) -> Any:
+        source = real(*args, **kwargs)
+        opens.append(1)
+        if len(opens) == 1:
+            ptio.save(lazy_dir, _waffe2_tree(2.0, 8), format="waffe2", durable=False)
+        return source
+
+    monkeypatch.setattr(io, "open_source", opened_then_replaced)
+    info = ptio.inspect(lazy_dir, format="waffe2")
+    assert len(opens) == 2
+    assert {e.shape for e in info.entries} == {(8,), (32,)}
+
+
+def test_a_lazy_view_keeps_reading_the_directory_it_opened(lazy_dir: Path) -> None:
+    """Its files are held open from its opening on: a save that replaces the checkpoint
+    meanwhile does not change what it reads."""
+    with ptio.open(lazy_dir, format="waffe2") as ckpt:
+        ptio.save(lazy_dir, _waffe2_tree(2.0, 8), format="waffe2", durable=False)
+        assert {float(v) for key in ckpt for v in np.unique(ckpt[key])} == {1.0}
+    assert _values(ptio.load(lazy_dir, format="waffe2")) == {2.0}
 
 
 # --------------------------------------------------------------------------
