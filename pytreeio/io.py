@@ -1555,10 +1555,13 @@ def _disk_head(root: Path, name: str) -> bytes | None:
 def _probe_dir(path: Path) -> Probe:
     if not os.path.isdir(path):
         return _probe_file(path)
+    names: list[str] = []
     try:
-        names = list(_walk(path, limit=_MAX_NAMES))
+        names.extend(_walk(path, limit=_MAX_NAMES))
     except OSError:  # unreadable: a directory all the same (opening it says why)
         return Probe(path, kind="dir", names=frozenset())
+    except FormatError:  # nested too deep: sniffed by the names listed (opening it says why)
+        pass
     return _listing_probe(path, names, lambda name: _disk_head(path, name))
 
 

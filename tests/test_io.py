@@ -907,6 +907,12 @@ def test_walk_order_special_files_descriptors_and_depth(tmp_path: Path) -> None:
     with pytest.raises(ptio.FormatError, match="nested deeper than"):
         list(io._walk(d))
     assert _open_fds() == before
+    # sniffing never raises: it goes by the names listed; opening says what is wrong
+    assert io.probe(d, DIRECTORY).names == {"a.bin", "b.bin"}  # those before "n/"
+    with pytest.raises(ptio.FormatError, match="nested deeper than") as e:
+        ptio.load(d, format="waffe2")
+    assert e.value.path is not None and "/n/n/" in e.value.path
+    assert _open_fds() == before
 
 
 def test_siblings_probe(tmp_path: Path) -> None:
