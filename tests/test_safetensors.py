@@ -448,3 +448,38 @@ def test_the_checksum_string_is_found_to_its_closing_quote(literal: bytes, end: 
     start = raw.index(fmt_st._SUM_MARKER) + len(fmt_st._SUM_MARKER)
     assert fmt_st._string_span(raw, fmt_st._SUM_MARKER) == (start, start + end)
     assert fmt_st._string_span(raw + fmt_st._SUM_MARKER, fmt_st._SUM_MARKER) is None  # twice
+
+
+def _span_by_walking(raw: bytes, marker: bytes) -> tuple[int, int] | None:
+    """The reference: quote after quote, each ending the literal unless an odd run of
+    backslashes escapes it."""
+    at = raw.find(marker)
+    if at < 0 or raw.find(marker, at + 1) >= 0:
+        return None
+    start = at + len(marker)
+    if raw[start : start + 1] != b'"':
+        return None
+    pos = start + 1
+    while (end := raw.find(b'"', pos)) >= 0:
+        before = end
+        while raw[before - 1] == 0x5C:
+            before -= 1
+        if (end - before) % 2 == 0:
+            return start, end + 1
+        pos = end + 1
+    return None
+
+
+def test_the_checksum_string_span_matches_a_walk_over_its_quotes() -> None:
+    rng = np.random.default_rng(11)
+    alphabet = np.frombuffer(b'"\\\\ab:{}\n\x00\xc3', np.uint8)
+    for _ in range(3000):
+        body = bytes(rng.choice(alphabet, int(rng.integers(0, 40))))
+        if rng.random() < 0.8:
+            body = b'"' + body  # a literal opens right after the marker
+        raw = b'{"x":1,' + fmt_st._SUM_MARKER + body + b"}"
+        if rng.random() < 0.1:
+            raw = raw[: int(rng.integers(0, len(raw) + 1))]  # cut anywhere
+        assert fmt_st._string_span(raw, fmt_st._SUM_MARKER) == _span_by_walking(
+            raw, fmt_st._SUM_MARKER
+        ), raw
