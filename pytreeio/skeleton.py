@@ -23,7 +23,7 @@ import numpy as np
 
 from .layouts import kept_by
 
-__all__ = ["MAX_SKELETON", "Skeleton", "Shelf"]
+__all__ = ["MAX_SKELETON", "Skeleton", "Shelf", "SeenLengths"]
 
 #: Skeletons larger than this are not kept (memory: 5 bytes per skeleton byte, so at most
 #: about 5 MiB per plan; 1 MiB of skeleton is some 4,000 to 20,000 leaves).
@@ -78,6 +78,35 @@ class _Plan(Protocol):
 P = TypeVar("P", bound=_Plan)
 
 
+class SeenLengths:
+    """Buffer lengths parsed lately (a few dozen), to learn a structure from its second parse.
+
+    A plan pays off from the second parse of a structure on; learning it at the
+    first costs a one-off load (most loads) a second pass over its framing.
+    Thread-safe; registers with :func:`pytreeio.forget_layouts`.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._lengths: dict[int, None] = {}  # oldest first
+        kept_by(self.clear)
+
+    def seen_before(self, length: int) -> bool:
+        """Whether a buffer of ``length`` bytes was parsed lately (and note this one)."""
+        with self._lock:
+            seen = length in self._lengths
+            self._lengths.pop(length, None)
+            self._lengths[length] = None
+            if len(self._lengths) > self.limit:
+                del self._lengths[next(iter(self._lengths))]
+        return seen
+
+    def clear(self) -> None:
+        with self._lock:
+            self._lengths = {}
+
+
 class Shelf(Generic[P]):
     """The plans a process keeps for one kind of buffer: the most recent first, one per length.
 
@@ -90,22 +119,13 @@ class Shelf(Generic[P]):
         self.min_items = min_items  # buffers of fewer tensors parse fast enough: no plan
         self.plans: list[P] = []
         self._lock = threading.Lock()
-        self._lengths: dict[int, None] = {}  # lengths parsed lately, oldest first
+        self._seen = SeenLengths(4 * max_plans)
         kept_by(self.clear)
 
     def seen_before(self, length: int) -> bool:
-        """Whether a buffer of ``length`` bytes was parsed lately (and note this one).
-
-        A plan pays off from the second parse of a structure on; learning it at the
-        first costs a one-off load (most loads) a second pass over its framing.
-        """
-        with self._lock:
-            seen = length in self._lengths
-            self._lengths.pop(length, None)
-            self._lengths[length] = None
-            if len(self._lengths) > 4 * self.max_plans:
-                del self._lengths[next(iter(self._lengths))]
-        return seen
+        """Whether a buffer of ``length`` bytes was parsed lately (and note this one):
+        see :class:`SeenLengths`."""
+        return self._seen.seen_before(length)
 
     def learns(self, view: memoryview, items: int) -> bool:
         """Whether to learn a parse of ``view`` (of ``items`` tensors): enough of them, and
@@ -132,4 +152,4 @@ class Shelf(Generic[P]):
     def clear(self) -> None:
         with self._lock:
             self.plans = []
-            self._lengths = {}
+        self._seen.clear()

@@ -60,12 +60,26 @@ def _decode(data: bytes) -> Any:
     return msgpack.decode(memoryview(bytearray(data))).tree
 
 
+def _learn(data: bytes) -> Any:
+    """Decode twice: a plan is learnt from the second parse of a buffer's length on."""
+    _decode(data)
+    return _decode(data)
+
+
+def test_a_one_off_decode_learns_nothing() -> None:
+    data = _encoded(_tree())
+    _identical(_decode(data), _parsed(data))
+    assert msgpack_plans._PLANS.plans == []  # a one-off load pays for no plan
+    _identical(_decode(data), _parsed(data))
+    assert len(msgpack_plans._PLANS.plans) == 1
+
+
 def test_second_decode_is_replayed_and_identical_to_the_parse(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     data = _encoded(_tree())
-    first = _decode(data)
-    assert len(msgpack_plans._PLANS.plans) == 1  # learnt from the first parse
+    first = _learn(data)
+    assert len(msgpack_plans._PLANS.plans) == 1  # learnt from the second parse
     calls = []
     parse = msgpack._parse
     monkeypatch.setattr(msgpack, "_parse", lambda *a, **k: calls.append(1) or parse(*a, **k))
@@ -76,7 +90,7 @@ def test_second_decode_is_replayed_and_identical_to_the_parse(
 
 
 def test_other_values_same_structure_are_replayed_with_the_new_values() -> None:
-    _decode(_encoded(_tree(seed=0)))
+    _learn(_encoded(_tree(seed=0)))
     data = _encoded(_tree(seed=1))
     assert msgpack_plans.replay(memoryview(bytearray(data))) is not None
     _identical(_decode(data), _parsed(data))
@@ -91,7 +105,7 @@ def test_other_values_same_structure_are_replayed_with_the_new_values() -> None:
     ],
 )
 def test_a_different_skeleton_byte_is_parsed(other: dict[str, Any]) -> None:
-    _decode(_encoded(_tree()))
+    _learn(_encoded(_tree()))
     data = _encoded(other)
     assert len(data) == len(_encoded(_tree()))  # same length: only the bytes tell
     assert msgpack_plans.replay(memoryview(bytearray(data))) is None
@@ -100,7 +114,7 @@ def test_a_different_skeleton_byte_is_parsed(other: dict[str, Any]) -> None:
 
 def test_random_skeleton_byte_flips_are_parsed_or_refused() -> None:
     data = _encoded(_tree())
-    _decode(data)
+    _learn(data)
     plan = msgpack_plans._PLANS.plans[0]
     for bad in skeleton_flips(data, plan.skeleton.positions, 200, 0x5A):
         assert msgpack_plans.replay(memoryview(bad)) is None
@@ -115,7 +129,7 @@ def test_random_skeleton_byte_flips_are_parsed_or_refused() -> None:
 
 def test_payload_bytes_are_data_only() -> None:
     data = bytearray(_encoded(_tree()))
-    _decode(bytes(data))
+    _learn(bytes(data))
     plan = msgpack_plans._PLANS.plans[0]
     payload = np.setdiff1d(np.arange(len(data)), plan.skeleton.positions)
     data[int(payload[0])] ^= 0xFF
@@ -124,7 +138,7 @@ def test_payload_bytes_are_data_only() -> None:
 
 def test_replayed_containers_are_fresh() -> None:
     data = _encoded(_tree())
-    _decode(data)
+    _learn(data)
     a = _decode(data)
     a["params"].clear()
     a["step"] = -1
@@ -136,13 +150,13 @@ def test_small_and_non_plain_trees_are_not_learnt() -> None:
     small = {
         "params": {f"w{i}": np.ones(3, np.float32) for i in range(msgpack_plans.MIN_LEAVES - 1)}
     }
-    _decode(_encoded(small))
+    _learn(_encoded(small))
     with_empty = {**_tree(), "empty": np.zeros((0, 3), np.float32)}  # no offset of its own
-    _decode(_encoded(with_empty))
+    _learn(_encoded(with_empty))
     assert msgpack_plans._PLANS.plans == []
     # a list is stored as flax does, a map keyed '0'..'n-1': a plain tree, learnt
     with_list = {**_tree(), "history": [1, 2, 3]}
-    _decode(_encoded(with_list))
+    _learn(_encoded(with_list))
     assert len(msgpack_plans._PLANS.plans) == 1
     # and each decodes as the parser does, replayed or not
     for tree in (small, with_list, with_empty):
@@ -154,7 +168,7 @@ def test_plans_are_bounded_and_loads_through_the_api_use_them(tmp_path: Any) -> 
     for n in range(msgpack_plans.MAX_PLANS + 2):
         tree = _tree()
         tree["params"][f"extra_{n}"] = {"w": np.ones(n + 1, np.float32)}  # another length each
-        _decode(_encoded(tree))
+        _learn(_encoded(tree))
     assert len(msgpack_plans._PLANS.plans) == msgpack_plans.MAX_PLANS
     path = tmp_path / "t.msgpack"
     tree = _tree(seed=3)
@@ -170,6 +184,7 @@ def test_learning_allocates_nothing_file_sized() -> None:
 
     tree = {"params": {f"w{i}": np.full(1 << 18, i, np.float32) for i in range(40)}}
     data = memoryview(bytearray(_encoded(tree)))
+    msgpack.decode(data)  # the first parse of this length: nothing learnt
     tracemalloc.start()
     try:
         msgpack.decode(data)

@@ -6,7 +6,8 @@ function of the bytes, so a file whose bytes outside the payloads (its
 *skeleton*: maps, keys, ext and bin headers, shapes, dtype names) equal a
 file parsed before, and whose length is the same, parses to the same tree
 with the same payload offsets.  :func:`learn` records such a tree as a
-:class:`Plan` (the skeleton bytes, and per leaf its offset, dtype and shape);
+:class:`Plan` (the skeleton bytes, and per leaf its offset, dtype and shape)
+from the second parse of a buffer of its length on;
 :func:`replay` gathers the skeleton bytes of a new buffer in one numpy
 indexing, compares them with the plan's and, on an exact match, builds the
 tree from the plan: the per-leaf Python walk of the framing is skipped
@@ -70,8 +71,9 @@ def _build(template: dict[str, Any], view: memoryview) -> dict[str, Any]:
 
 
 def learn(view: memoryview, tree: Any) -> None:
-    """Record ``tree``, just parsed from ``view``, as a plan (when it is a plain tree)."""
-    if type(tree) is not dict:
+    """Record ``tree``, just parsed from ``view``, as a plan (when it is a plain tree, and a
+    buffer of its length was parsed lately: a one-off load does not pay for a plan)."""
+    if type(tree) is not dict or not _PLANS.seen_before(view.nbytes):
         return
     data = np.frombuffer(view, dtype=np.uint8)
     spans: list[tuple[int, int]] = []

@@ -83,6 +83,7 @@ from ..registry import (
     Streamed,
     register,
 )
+from ..skeleton import SeenLengths
 from ..tree import (
     component_string,
     is_jax_array,
@@ -559,7 +560,9 @@ def _read_header(r: Reader, total: int) -> _Header:
     if found is not None:
         return _Header(n, found[0].entries, found[1], r.source, found[0])
     entries, metadata = _parse_header(r, raw, n, total)
-    return _Header(n, entries, metadata, r.source, _KnownHeader.of(raw, total, entries, metadata))
+    # kept from the second parse of a file of this length on: a one-off load keeps nothing
+    known = _KnownHeader.of(raw, total, entries, metadata) if _SEEN.seen_before(total) else None
+    return _Header(n, entries, metadata, r.source, known)
 
 
 class _KnownHeader:
@@ -611,6 +614,8 @@ _KNOWN_HEADERS_MAX = 4
 _KNOWN_HEADER_BYTES = 4 << 20
 _KNOWN_LOCK = threading.Lock()
 _SUM_MARKER = b'"' + _SUM_KEY.encode() + b'":'
+#: File lengths whose header was parsed lately (a header is kept from its second parse on).
+_SEEN = SeenLengths(4 * _KNOWN_HEADERS_MAX)
 
 
 def _forget_headers() -> None:
