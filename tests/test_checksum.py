@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -250,6 +251,38 @@ def test_manifest_directory(tmp_path: Path, fmt: str) -> None:
     assert not where.exists()
     assert not checksum.check_manifest(path)
     ptio.verify(path)
+
+
+def test_verify_during_a_save_verifies_one_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save between verify's decode and its manifest check pairs one version's manifest
+    with the other's files: verify sees the checkpoint changed and checks it again, where a
+    corruption of an unchanged checkpoint is reported at once."""
+    path = tmp_path / "w.wf2model"
+    ptio.save(path, {"params": _params()}, format="waffe2", layers=LAYERS)
+    checksum.write_manifest(path)
+    real = checksum.check_manifest
+    calls: list[int] = []
+
+    def saved_meanwhile(p: Any, fmt: Any = None) -> bool:
+        calls.append(1)
+        if len(calls) == 1:  # what a read of the old manifest beside the new files finds
+            ptio.save(path, {"params": _params()}, format="waffe2", layers=LAYERS)
+            checksum.write_manifest(path)
+            raise FormatError("changed since its manifest was written", path=str(p))
+        return real(p, fmt)
+
+    monkeypatch.setattr(checksum, "check_manifest", saved_meanwhile)
+    assert ptio.verify(path).format == "waffe2"
+    assert len(calls) == 2
+
+    calls.clear()
+    monkeypatch.setattr(checksum, "check_manifest", real)
+    victim = max((p for p in path.iterdir() if p.suffix == ".npy"), key=lambda p: p.stat().st_size)
+    _flip(victim, victim.stat().st_size - 2)
+    with pytest.raises(FormatError, match=victim.name):
+        ptio.verify(path)  # unchanged during the check: the verdict stands
 
 
 def test_manifest_conformance_waffe2_directory(tmp_path: Path, conformance: Path) -> None:
