@@ -665,14 +665,14 @@ def verify(path: PathLike, format: str | Format | None = None, **options: Any) -
     # since its manifest"). Such a mix is seen as the files' identities changing, and
     # verified again; a verdict on one unchanged checkpoint stands.
     for _ in range(_OPENS - 1):
-        before = _identity(path, fmt)
+        before = io.identity(path, fmt.layout)
         try:
             info = _verify_once(path, fmt, options)
         except (FormatError, io.ChangedWhileOpen):
-            if _identity(path, fmt) == before:
+            if io.identity(path, fmt.layout) == before:
                 raise
             continue
-        if _identity(path, fmt) == before:
+        if io.identity(path, fmt.layout) == before:
             return info
     return _verify_once(path, fmt, options)
 
@@ -688,26 +688,3 @@ def _verify_once(path: PathLike, fmt: Format, options: Mapping[str, Any]) -> Inf
     if nonfinite:
         report["nonfinite"] = nonfinite
     return Info(info.format, info.entries, {**info.meta, **report}, info.path)
-
-
-def _identity(path: PathLike, fmt: Format) -> tuple[Any, ...]:
-    """What a save changes of a checkpoint's files: device, inode, size and mtime of each
-    path its layout names (a save renames new files or a new directory into place)."""
-    layout = fmt.layout
-    try:
-        located = (
-            list(layout.locate(Path(path)).values())
-            if isinstance(layout, registry.Siblings)
-            else [Path(path)]
-        )
-    except Exception:  # a layout that cannot locate its files: nothing to compare
-        return ()
-    out: list[Any] = []
-    for p in located:
-        try:
-            st = os.stat(p)
-        except OSError:
-            out.append(None)
-            continue
-        out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
-    return tuple(out)

@@ -122,6 +122,7 @@ __all__ = [
     "FileSet",
     "FilesOf",
     "ChangedWhileOpen",
+    "identity",
     "walk",
     "read_chunks",
     "read_head",
@@ -1164,8 +1165,9 @@ class ChangedWhileOpen(FileNotFoundError):
     """A file a :class:`FileSet` listed when it was opened is gone when read: the checkpoint
     was replaced or changed since (a save elsewhere removed the files of the one it replaced).
 
-    :func:`pytreeio.load` and :func:`pytreeio.inspect` open the checkpoint again when they
-    meet it; a lazy view (:func:`pytreeio.open`) raises it.
+    :func:`pytreeio.load`, :func:`pytreeio.inspect` and :func:`pytreeio.verify` open the
+    checkpoint again when they meet it (three times in all, then raise it); a lazy view
+    (:func:`pytreeio.open`) holds every file it read a header of and never meets it there.
     """
 
 
@@ -1327,6 +1329,29 @@ class FilesOf(Mapping[str, Any], Generic[_Set]):
 
     def path_of(self, name: str) -> str:
         return self._files.path_of(name)
+
+
+def identity(path: str | os.PathLike[str], layout: Layout) -> tuple[Any, ...]:
+    """What a save changes of the checkpoint at ``path``: device, inode, size and mtime of
+    each path ``layout`` names (a save renames new files or a new directory into place), None
+    for one that is absent; empty when the layout cannot locate its files."""
+    try:
+        located = (
+            list(layout.locate(Path(path)).values())
+            if isinstance(layout, Siblings)
+            else [Path(path)]
+        )
+    except Exception:  # a layout's own locate failing: nothing to compare
+        return ()
+    out: list[Any] = []
+    for p in located:
+        try:
+            st = os.stat(p)
+        except OSError:
+            out.append(None)
+            continue
+        out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 def _open_regular(path: str | os.PathLike[str], dir_fd: int | None = None) -> int | None:

@@ -587,6 +587,23 @@ def test_inspect_meeting_a_replaced_directory_reads_the_new_one(
     assert {e.shape for e in info.entries} == {(8,), (32,)}
 
 
+def test_identity_changes_with_a_save_and_not_with_a_read(tmp_path: Path) -> None:
+    dest = tmp_path / "x"
+    assert io.identity(dest, SIB) == (None, None)  # neither sibling yet
+    io.write_atomic(dest, _pair_enc(b"1", b"1"), SIB)
+    first = io.identity(dest, SIB)
+    assert None not in first and io.identity(dest, SIB) == first
+    _read_pair(dest)
+    assert io.identity(dest, SIB) == first  # reading changes nothing
+    io.write_atomic(dest, _pair_enc(b"2", b"2"), SIB)
+    assert io.identity(dest, SIB) != first  # new files renamed into place
+    d = tmp_path / "d"
+    io.write_atomic(d, Encoded(files={"a.bin": _enc(b"1")}), DIRECTORY)
+    before = io.identity(d, DIRECTORY)
+    io.write_atomic(d, Encoded(files={"a.bin": _enc(b"2")}), DIRECTORY)
+    assert io.identity(d, DIRECTORY) != before  # another directory swapped in
+
+
 def test_a_lazy_view_keeps_reading_the_directory_it_opened(lazy_dir: Path) -> None:
     """Its files are held open from its opening on: a save that replaces the checkpoint
     meanwhile does not change what it reads."""
