@@ -443,7 +443,7 @@ def read_npz(
         view = src.view()
         replayed = npz_plans.replay(view, verify_crc=verify_crc)
         if replayed is not None:
-            return {name: _array_at(h, view, at) for name, h, at in replayed}
+            return replayed
     found: Sequence[_zip.ZipMember] = _zip.read_zip_directory(src)
     keys = [_array_name(m, src) for m in found]  # every name checked before the data is read
     if ranged:

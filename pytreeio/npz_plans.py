@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import crc as _crc
+from .array_runs import ArrayRuns
 from .binary import Buffer
 from .layouts import Memo
 from .skeleton import Shelf, Skeleton
@@ -73,17 +74,17 @@ class Plan:
     spans: tuple[tuple[int, int], ...]  # each member's bytes, [start, stop): what its CRC covers
     crc_at: np.ndarray  # offsets of the central records' CRC-32 bytes, 4 per member, in order
     arrays: tuple[tuple[str, NpyHeader, int], ...]  # (name, header, offset of the data)
+    runs: ArrayRuns  # how to make those arrays on a buffer, in order
+    names: tuple[str, ...]  # theirs
 
 
 _PLANS: Shelf[Plan] = Shelf(MAX_PLANS, MIN_MEMBERS)
 
 
-def replay(
-    view: memoryview, *, verify_crc: bool = True
-) -> tuple[tuple[str, NpyHeader, int], ...] | None:
-    """Where ``read_npz``'s arrays of ``view`` lie, ``(name, header, offset of the data)`` in
-    archive order, when a plan's skeleton matches it (and, with ``verify_crc``, every
-    member's CRC-32 its central record); else None."""
+def replay(view: memoryview, *, verify_crc: bool = True) -> dict[str, np.ndarray] | None:
+    """``read_npz``'s arrays of ``view`` (views of it, by name in archive order), when a plan's
+    skeleton matches it (and, with ``verify_crc``, every member's CRC-32 its central record);
+    else None."""
     plan = _PLANS.find(view)
     if plan is None:
         return None
@@ -92,7 +93,7 @@ def replay(
         found = np.array(_crc.crc32_spans(view, plan.spans), dtype=np.uint32)
         if not np.array_equal(stored, found):
             return None  # the reader names the member
-    return plan.arrays
+    return dict(zip(plan.names, plan.runs.build(view)))
 
 
 def worth_learning(view: memoryview, members: int) -> bool:
@@ -130,7 +131,9 @@ def learn(
         return
     spans = tuple(zip(begin.tolist(), end.tolist()))
     crc_at = (central[:, None] + np.arange(4)).ravel()
-    _PLANS.keep(Plan(skeleton, spans, crc_at, tuple(arrays)))
+    runs = ArrayRuns([(at, h.dtype, h.shape, h.fortran_order) for _, h, at in arrays])
+    names = tuple(name for name, _, _ in arrays)
+    _PLANS.keep(Plan(skeleton, spans, crc_at, tuple(arrays), runs, names))
 
 
 def _crc_fields(

@@ -112,7 +112,7 @@ def test_a_different_skeleton_or_variant_is_read() -> None:
     plan = _learnt(data)
     assert _outcome(data, variant="later") == _parsed(data, variant="later")  # a fault, named
     for bad in skeleton_flips(data, plan.skeleton.positions, 150, 0x5A):
-        assert datacode._replayed_layout(memoryview(bad), None) is None
+        assert datacode._replayed(memoryview(bad), None) is None
         assert _outcome(bytes(bad)) == _parsed(bytes(bad))
 
 

@@ -70,6 +70,7 @@ from typing import Any
 import numpy as np
 
 from .. import jsonsafe, serde_json
+from ..array_runs import ArrayRuns, Spec
 from ..binary import BufferSource, ByteSource, Writer
 from ..errors import ConversionError, EncodeError, FormatError, MismatchError, PytreeioWarning
 from ..layouts import Memo
@@ -579,23 +580,44 @@ def decode(source: Any, *, variant: str | None = None) -> Decoded:
     _check_variant(variant, "decode")
     src = _source(source)
     view = src.view()
-    layout = _replayed_layout(view, variant) if type(src) is BufferSource else None
-    if layout is None:
-        layout = _read_layout(src, variant)
-        if type(src) is BufferSource:
-            _learn(view, variant, layout)
-    native: dict[str, dict[str, np.ndarray]] = {}
-    for pos, parts in sorted(layout.by_position.items()):
-        w, b = parts["weight"], parts["bias"]
+    plan = _replayed(view, variant) if type(src) is BufferSource else None
+    if plan is not None:
+        layout = _replayed_layout(plan, view)
+        arrays = iter(plan.runs.build(view))
+        native = {name: {"weight": next(arrays), "bias": next(arrays)} for name in plan.names}
+        return Decoded(native, layout.meta())
+    layout = _read_layout(src, variant)
+    if type(src) is BufferSource:
+        _learn(view, variant, layout)
+    native = {}
+    for pos, (weight, bias) in _layer_specs(layout):
         # one ndarray straight on the buffer (frombuffer + reshape makes two); the layout
         # checked that the data lies within it
-        weight = np.ndarray(w.dims, _F32, buffer=view, offset=w.data_offset)
-        bias = np.ndarray((b.nbytes // 4,), _F32, buffer=view, offset=b.data_offset)
         native[f"layer{pos}"] = {
-            "weight": weight.T if layout.variant == "later" else weight,
-            "bias": bias,
+            "weight": _array_of(weight, view),
+            "bias": _array_of(bias, view),
         }
     return Decoded(native, layout.meta())
+
+
+def _layer_specs(layout: _Layout) -> list[tuple[int, tuple[Spec, Spec]]]:
+    """Per Linear position, in order, its weight's and bias's array specs: later-variant
+    weights, stored (out, in) in C order, are (in, out) in Fortran order."""
+    out: list[tuple[int, tuple[Spec, Spec]]] = []
+    later = layout.variant == "later"
+    for pos, parts in sorted(layout.by_position.items()):
+        w, b = parts["weight"], parts["bias"]
+        weight: Spec = (w.data_offset, _F32, tuple(w.dims[::-1] if later else w.dims), later)
+        bias: Spec = (b.data_offset, _F32, (b.nbytes // 4,), False)
+        out.append((pos, (weight, bias)))
+    return out
+
+
+def _array_of(spec: Spec, view: memoryview) -> np.ndarray:
+    offset, dtype, shape, fortran = spec
+    if fortran:
+        return np.ndarray(shape[::-1], dtype, buffer=view, offset=offset).T
+    return np.ndarray(shape, dtype, buffer=view, offset=offset)
 
 
 # A training run loads the same architecture again and again: a file whose bytes outside its
@@ -607,15 +629,19 @@ class _Plan:
     skeleton: Skeleton
     variant: str | None  # what decode was asked for
     layout: _Layout  # its document is never handed out: each replay parses the JSON again
+    names: tuple[str, ...]  # the native tree's layers, in order
+    runs: ArrayRuns  # each layer's weight then bias, made on a buffer in one go
 
 
 _PLANS: Shelf[_Plan] = Shelf(4)
 
 
-def _replayed_layout(view: memoryview, variant: str | None) -> _Layout | None:
+def _replayed(view: memoryview, variant: str | None) -> _Plan | None:
     plan = _PLANS.find(view)
-    if plan is None or plan.variant != variant:
-        return None
+    return None if plan is None or plan.variant != variant else plan
+
+
+def _replayed_layout(plan: _Plan, view: memoryview) -> _Layout:
     (json_len,) = _U32.unpack_from(view, 12)  # a skeleton byte: as when the plan was made
     # The document passed every check when the plan was made, from these very bytes: the
     # plain parser's result is the checked one's (no hooks, several times faster).
@@ -630,7 +656,10 @@ def _learn(view: memoryview, variant: str | None, layout: _Layout) -> None:
     starts = [t.data_offset for t in tensors]
     skeleton = Skeleton.of(view, starts, [t.data_offset + t.nbytes for t in tensors])
     if skeleton is not None:
-        _PLANS.keep(_Plan(skeleton, variant, layout))
+        layers = _layer_specs(layout)
+        names = tuple(f"layer{pos}" for pos, _ in layers)
+        runs = ArrayRuns([spec for _, pair in layers for spec in pair])
+        _PLANS.keep(_Plan(skeleton, variant, layout, names, runs))
 
 
 def slots(source: ByteSource, *, variant: str | None = None) -> Slots:

@@ -6,7 +6,8 @@ function of the bytes, so a file whose bytes outside the payloads (its
 *skeleton*: maps, keys, ext and bin headers, shapes, dtype names) equal a
 file parsed before, and whose length is the same, parses to the same tree
 with the same payload offsets.  :func:`learn` records such a tree as a
-:class:`Plan` (the skeleton bytes, and per leaf its offset, dtype and shape)
+:class:`Plan` (the skeleton bytes, the tree's nesting and per array leaf its
+offset, dtype and shape)
 from the second parse of a buffer of its length on;
 :func:`replay` gathers the skeleton bytes of a new buffer in one numpy
 indexing, compares them with the plan's and, on an exact match, builds the
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ..array_runs import ArrayRuns, Spec
 from ..skeleton import Shelf, Skeleton
 
 __all__ = ["Plan", "learn", "replay"]
@@ -39,12 +41,17 @@ MAX_PLANS = 4
 _SCALARS = (int, float, bool, str, bytes, type(None))
 
 
+#: A template's array leaf: the next array the plan's runs make.
+_ARRAY = ("a",)
+
+
 @dataclass(frozen=True)
 class Plan:
     """A learnt tree: its skeleton, and how to rebuild the tree."""
 
     skeleton: Skeleton
-    template: Any  # dict of key -> template; leaves ("a", offset, dtype, count, shape) or ("c", v)
+    template: Any  # dict of key -> template; leaves _ARRAY (in file order) or ("c", value)
+    runs: ArrayRuns  # the array leaves, made on a buffer in one go
 
 
 _PLANS: Shelf[Plan] = Shelf(MAX_PLANS)
@@ -53,18 +60,16 @@ _PLANS: Shelf[Plan] = Shelf(MAX_PLANS)
 def replay(view: memoryview) -> Any:
     """The tree of ``view`` built from a plan whose skeleton it matches, or None."""
     plan = _PLANS.find(view)
-    return None if plan is None else _build(plan.template, view)
+    return None if plan is None else _build(plan.template, iter(plan.runs.build(view)))
 
 
-def _build(template: dict[str, Any], view: memoryview) -> dict[str, Any]:
+def _build(template: dict[str, Any], arrays: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    frombuffer = np.frombuffer
     for key, t in template.items():
         if type(t) is dict:
-            out[key] = _build(t, view)
-        elif t[0] == "a":
-            arr = frombuffer(view, t[2], t[3], t[1])
-            out[key] = arr if t[4] is None else arr.reshape(t[4])
+            out[key] = _build(t, arrays)
+        elif t is _ARRAY:
+            out[key] = next(arrays)
         else:
             out[key] = t[1]
     return out
@@ -76,34 +81,38 @@ def learn(view: memoryview, tree: Any) -> None:
     if type(tree) is not dict or not _PLANS.seen_before(view.nbytes):
         return
     data = np.frombuffer(view, dtype=np.uint8)
-    spans: list[tuple[int, int]] = []
-    template = _template(tree, data.ctypes.data, data.nbytes, spans)
-    if template is None or len(spans) < MIN_LEAVES:
+    specs: list[Spec] = []
+    template = _template(tree, data.ctypes.data, data.nbytes, specs)
+    if template is None or len(specs) < MIN_LEAVES:
         return
-    starts, stops = np.array(spans, dtype=np.int64).reshape(-1, 2).T
+    starts = np.array([at for at, _, _, _ in specs], dtype=np.int64)
+    stops = starts + np.array([_nbytes(s) for s in specs], dtype=np.int64)
     skeleton = Skeleton.of(view, starts, stops)  # None: out of file order, overlapping, too large
     if skeleton is not None:
-        _PLANS.keep(Plan(skeleton, template))
+        _PLANS.keep(Plan(skeleton, template, ArrayRuns(specs)))
 
 
-def _template(
-    node: dict[Any, Any], base: int, n: int, spans: list[tuple[int, int]]
-) -> dict[str, Any] | None:
+def _nbytes(spec: Spec) -> int:
+    _, dtype, shape, _ = spec
+    return dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+
+
+def _template(node: dict[Any, Any], base: int, n: int, specs: list[Spec]) -> dict[str, Any] | None:
     out: dict[str, Any] = {}
     for key, value in node.items():
         if type(key) is not str:
             return None
         if type(value) is dict:
-            sub = _template(value, base, n, spans)
+            sub = _template(value, base, n, specs)
             if sub is None:
                 return None
             out[key] = sub
         elif type(value) is np.ndarray:
-            leaf = _array(value, base, n)
-            if leaf is None:
+            spec = _array(value, base, n)
+            if spec is None:
                 return None
-            spans.append((leaf[1], leaf[1] + value.nbytes))
-            out[key] = leaf
+            specs.append(spec)
+            out[key] = _ARRAY
         elif type(value) in _SCALARS:
             out[key] = ("c", value)
         else:
@@ -111,11 +120,11 @@ def _template(
     return out
 
 
-def _array(arr: np.ndarray, base: int, n: int) -> tuple[Any, ...] | None:
-    """``("a", offset, dtype, count, shape or None)`` of a C-order view of the buffer, or None."""
+def _array(arr: np.ndarray, base: int, n: int) -> Spec | None:
+    """The spec of a C-order view of the buffer, or None."""
     if not arr.flags.c_contiguous or arr.size == 0 or arr.dtype.hasobject:
         return None
     offset = arr.ctypes.data - base
     if not 0 <= offset <= n - arr.nbytes:
         return None
-    return ("a", offset, arr.dtype, arr.size, None if arr.ndim == 1 else arr.shape)
+    return (offset, arr.dtype, arr.shape, False)

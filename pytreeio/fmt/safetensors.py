@@ -64,6 +64,7 @@ from typing import Any, cast
 import numpy as np
 
 from .. import dtypes, jsonsafe, keys, nnx, sharding
+from ..array_runs import ArrayRuns
 from ..binary import ByteSource, Reader, check_shape
 from ..errors import EncodeError, FormatError
 from ..layouts import kept_by
@@ -573,7 +574,17 @@ class _KnownHeader:
     ASCII JSON string (no ``\\u`` escapes) is what the full parse would take.
     """
 
-    __slots__ = ("entries", "metadata", "nesting", "prefix", "raw", "suffix", "sums", "total")
+    __slots__ = (
+        "_runs",
+        "entries",
+        "metadata",
+        "nesting",
+        "prefix",
+        "raw",
+        "suffix",
+        "sums",
+        "total",
+    )
 
     def __init__(
         self,
@@ -589,6 +600,16 @@ class _KnownHeader:
         self.metadata = metadata
         # the plain nesting's dicts with each array's tensor name in its place (see decode)
         self.nesting: dict[str, Any] | None = None
+        self._runs: tuple[tuple[str, ...], ArrayRuns] | None = None  # made at the first use
+
+    def arrays(self, view: memoryview) -> dict[str, np.ndarray]:
+        """The entries' arrays, views of ``view`` (a file with this header)."""
+        made = self._runs
+        if made is None:
+            base = 8 + len(self.raw)
+            specs = [(base + b, dt, shape, False) for dt, shape, b, _ in self.entries.values()]
+            made = self._runs = (tuple(self.entries), ArrayRuns(specs))
+        return dict(zip(made[0], made[1].build(view)))
 
     @classmethod
     def of(
@@ -1183,7 +1204,8 @@ def decode(buffer: Any, *, verify: bool = False) -> Decoded:
     base = 8 + header.n
     view = r.view
     # _read_header checked every shape and that each tensor's bytes lie in the data section
-    arrays = _views(view, base, header.entries)
+    known = header.known
+    arrays = _views(view, base, header.entries) if known is None else known.arrays(view)
     md = header.metadata
     if _TREE_KEY not in md:
         return Decoded(arrays, dict(md))
@@ -1192,7 +1214,6 @@ def decode(buffer: Any, *, verify: bool = False) -> Decoded:
             f"unsupported pytreeio layout version {md.get(_VERSION_KEY)!r:.40}", _VERSION_KEY, 8
         )
     meta = _user_meta(header, total)
-    known = header.known
     if known is not None and known.nesting is not None:  # this header's nesting, built before
         return Decoded(_filled(known.nesting, arrays), meta)
     tree = _plain_nesting(md[_TREE_KEY], arrays)
