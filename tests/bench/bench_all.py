@@ -453,6 +453,10 @@ def _first(op: Callable[[Path], Any], path: Path) -> Any:
     return op(path)
 
 
+#: The per-leaf race's raw baseline of a file per tensor (see rawio.replace_dir_of_files).
+RAW_FILES = "raw: a file per tensor"
+
+
 def bench_per_leaf(run: Run) -> None:
     """Per-leaf cost: every format and the peers on a tree of ``--leaves`` small leaves.
 
@@ -521,6 +525,18 @@ def bench_per_leaf(run: Run) -> None:
                 None,
             )
         )
+    # the floor of a format that stores a file per tensor (cl-waffe2): raw file system calls
+    arrays = [np.ascontiguousarray(a) for a in ptio.flatten(tree).values()]
+    libs.append(
+        PerLeafLib(
+            RAW_FILES,
+            len(arrays),
+            d / "raw" / "files",
+            lambda p: rawio.replace_dir_of_files(p, arrays),
+            rawio.read_dir_of_files,
+            None,
+        )
+    )
     libs = [lib for lib in libs if run.wanted("per-leaf", lib.name)]
     if not libs:
         return

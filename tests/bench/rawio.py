@@ -171,3 +171,52 @@ RAW_READS = {
     "pread into arrays (2 threads)": read_pread_arrays,
     "mmap + copy": read_mmap_copy,
 }
+
+
+# --------------------------------------------------------------------------
+# a file per tensor: the floor of a format that stores each tensor in a file of its own
+# --------------------------------------------------------------------------
+
+
+def replace_dir_of_files(root: Path, arrays: Sequence[np.ndarray]) -> None:
+    """What replacing a directory of one file per array costs with nothing else done.
+
+    Each array's bytes go into a file of their own (``open``/``write``/``close``)
+    in a new directory, which is swapped in for ``root`` by two renames; the
+    replaced directory and its files are then removed.  No header, no manifest,
+    no lock, no ``fsync``: the floor under an atomic save of such a format.
+    """
+    new, old = root.with_name(root.name + ".new"), root.with_name(root.name + ".old")
+    os.mkdir(new)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    for i, arr in enumerate(arrays):
+        fd = os.open(new / f"{i}.bin", flags, 0o644)
+        try:
+            os.write(fd, memoryview(arr).cast("B"))
+        finally:
+            os.close(fd)
+    had = root.exists()
+    if had:
+        os.rename(root, old)
+    os.rename(new, root)
+    if had:
+        for name in os.listdir(old):
+            os.unlink(old / name)
+        os.rmdir(old)
+
+
+def read_dir_of_files(root: Path) -> list[np.ndarray]:
+    """Every file of ``root`` read into a fresh array of its own (``open``/``read``/``close``)."""
+    out = []
+    with os.scandir(root) as entries:
+        names = [e.name for e in entries]
+    for name in names:
+        fd = os.open(root / name, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            buf = np.empty(size, np.uint8)
+            _fill(fd, memoryview(buf), 0)
+        finally:
+            os.close(fd)
+        out.append(buf)
+    return out
