@@ -73,9 +73,8 @@ class Plan:
     skeleton: Skeleton
     spans: tuple[tuple[int, int], ...]  # each member's bytes, [start, stop): what its CRC covers
     crc_at: np.ndarray  # offsets of the central records' CRC-32 bytes, 4 per member, in order
-    arrays: tuple[tuple[str, NpyHeader, int], ...]  # (name, header, offset of the data)
-    runs: ArrayRuns  # how to make those arrays on a buffer, in order
-    names: tuple[str, ...]  # theirs
+    names: tuple[str, ...]  # the arrays' names, in archive order
+    runs: ArrayRuns  # how to make the arrays on a buffer, in that order
 
 
 _PLANS: Shelf[Plan] = Shelf(MAX_PLANS, MIN_MEMBERS)
@@ -133,7 +132,7 @@ def learn(
     crc_at = (central[:, None] + np.arange(4)).ravel()
     runs = ArrayRuns([(at, h.dtype, h.shape, h.fortran_order) for _, h, at in arrays])
     names = tuple(name for name, _, _ in arrays)
-    _PLANS.keep(Plan(skeleton, spans, crc_at, tuple(arrays), runs, names))
+    _PLANS.keep(Plan(skeleton, spans, crc_at, names, runs))
 
 
 def _crc_fields(
