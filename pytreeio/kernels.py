@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from .pools import start_daemon
+from .pools import Warming
 
 __all__ = [
     "MIN_BYTES",
@@ -86,11 +86,8 @@ def use(nbytes: int) -> bool:
         return False
     if _module is not None:
         return True
-    _warm_up()
+    _warming.start()
     return False
-
-
-_warming: threading.Thread | None = None
 
 
 def ready(timeout: float | None = None) -> bool:
@@ -102,22 +99,8 @@ def ready(timeout: float | None = None) -> bool:
     """
     if not enabled():
         return False
-    _warm_up()
-    warming = _warming
-    if warming is not None:
-        warming.join(timeout)
+    _warming.wait(timeout)
     return _module is not None
-
-
-def _warm_up() -> None:
-    global _warming
-    with _lock:
-        if _warming is not None:
-            return
-        _warming = start_daemon(_load_and_run, "pytreeio-kernels")
-        started = _warming is not None
-    if not started:  # the interpreter is exiting (no new threads): loaded on this one
-        _load_and_run()
 
 
 def _load_and_run() -> None:
@@ -134,6 +117,9 @@ def _load_and_run() -> None:
             return
     with _lock:
         _module = k
+
+
+_warming = Warming(_load_and_run, "pytreeio-kernels")
 
 
 def _load() -> ModuleType | None:

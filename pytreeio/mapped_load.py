@@ -23,7 +23,8 @@ accepts and refuses exactly what it does on a buffer, and the arrays hold
 the same bits.  Smaller files are read whole, as before.
 
 Formats that read a file themselves with a check fused into the read (the
-npz CRC-32s, through ``FileSet.ranges``) still do.  When a mapping cannot be
+npz CRC-32s, through ``FileSet.ranges``: :func:`pytreeio.zip.read_archive`)
+still do.  When a mapping cannot be
 closed afterwards (something other than an array in those containers still
 uses it, so the result could hold a read-only view) the files are decoded
 again from whole buffers.

@@ -35,6 +35,7 @@ __all__ = [
     "share",
     "start_daemon",
     "taking_cores",
+    "Warming",
 ]
 
 _T = TypeVar("_T")
@@ -63,6 +64,41 @@ def start_daemon(target: Callable[..., Any], name: str, *args: Any) -> threading
     except RuntimeError:  # exiting, or no thread can start (address-space or thread limits)
         return None
     return thread
+
+
+class Warming:
+    """Work run once, on a daemon thread, the first time :meth:`start` is called.
+
+    For one-time costs (importing a compiler, building kernels) that the call
+    which first needs them should not wait for: it starts the work and goes on
+    without its result.  Where no thread can start (the interpreter is exiting,
+    an address-space limit) the work runs on the caller's thread instead.
+    """
+
+    def __init__(self, work: Callable[[], Any], name: str) -> None:
+        self._work = work
+        self._name = name
+        self._lock = threading.Lock()
+        self.started = False
+        #: The thread doing the work (None before :meth:`start`, or where it ran on the caller's).
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the work, unless it was started before; never waits for it."""
+        with self._lock:
+            if self.started:
+                return
+            self.started = True
+            self.thread = start_daemon(self._work, self._name)
+            here = self.thread is None
+        if here:
+            self._work()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Start the work if need be and wait up to ``timeout`` seconds for it to end."""
+        self.start()
+        if self.thread is not None:
+            self.thread.join(timeout)
 
 
 def new_pool(workers: int, prefix: str = "") -> ThreadPoolExecutor:

@@ -38,7 +38,9 @@ Writing (:func:`encode_stored`) produces what Python's ``zipfile`` writes with
 
 Checksums cost no pass of their own over large archives: a file is read by
 :func:`read_archive` in pieces, each hashed right after it is read (the
-directory, read first, says where every member's data lies), and an encoding
+directory, read first, says where every member's data lies) or, with the
+compiled kernel of :mod:`pytreeio.copy_crc`, copied from the mapped file with
+the checksum folded in the copy's own pass; and an encoding
 made with ``overlap=True`` hashes each large member while it is written, its
 local header written in place afterwards.
 """
@@ -53,6 +55,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
+from . import copy_crc as _copy_crc
 from . import crc as _crc
 from .binary import Buffer, BufferSource, ByteSource, Reader, Writer, as_memoryview
 from .errors import EncodeError, FormatError
@@ -756,6 +759,14 @@ def read_archive(
     compared before returning, so a mismatch is a :class:`FormatError`
     (naming the member, at its data offset) before any value is used.
 
+    Where the copy + CRC-32 kernel is ready (:mod:`pytreeio.copy_crc`) and the
+    source can be mapped (``io.FileSource``), hashed data segments of at least
+    its ``MIN_BYTES`` are not read then hashed but copied from the mapped file
+    by the kernel, which folds the CRC-32 from the bytes it moves: one pass over
+    memory instead of two.  (Like every mapped read, a file that another program
+    truncates in place meanwhile raises SIGBUS; pytreeio's saves replace files
+    by rename and never truncate one.)
+
     The data of each stored member of at least :data:`OWN_MEMBER_MIN` bytes is
     read into memory of its own (a piece's ranges go to their buffers in one
     ``preadv``), the rest of the file into one buffer: arrays then hold their
@@ -793,10 +804,19 @@ def read_archive(
         # a segment lies in one member's data: one buffer
         return [(i, _crc.crc32(data._read(lo, hi - lo)), hi - lo) for lo, hi, i in segments]
 
-    if workers == 1:
-        results = [run(p) for p in pieces]
-    else:
-        results = share(_crc.pool(), workers, run, pieces)
+    kernel = _copy_crc.use(max((hi - lo for _, _, s in pieces for lo, hi, _ in s), default=0))
+    mapping = _map(source) if kernel is not None else None
+    try:
+        if mapping is not None:
+            assert kernel is not None
+            run = functools.partial(_run_mapped, source, data, kernel, _address(mapping))
+        if workers == 1:
+            results = [run(p) for p in pieces]
+        else:
+            results = share(_crc.pool(), workers, run, pieces)
+    finally:
+        if mapping is not None:
+            mapping.close()
     per_member: dict[int, list[tuple[int, int]]] = {i: [] for i in hashed}
     for found in results:  # pieces in file order
         for i, c, n in found:
@@ -805,6 +825,49 @@ def read_archive(
         if _crc.combine_all(per_member[i]) != members[i].crc:
             raise _crc_mismatch(data, members[i])
     return members, data, {members[i].name for i in hashed}
+
+
+def _map(source: RangeSource) -> Any:
+    """``source``'s bytes mapped read-only, or None (not a file, or mapping failed)."""
+    mapping = getattr(source, "mapping", None)
+    if mapping is None or source.size == 0:
+        return None
+    try:
+        return mapping()
+    except (OSError, ValueError):  # no room in the address space, a file that cannot be mapped
+        return None
+
+
+def _address(mapping: Any) -> int:
+    """Where ``mapping`` lies in memory.  (A read-only mapping exports no writable buffer for
+    ctypes; numpy's view of it is dropped at once, so that the mapping can be closed.)"""
+    import numpy as np
+
+    return int(np.frombuffer(mapping, np.uint8).ctypes.data)
+
+
+def _run_mapped(
+    source: RangeSource, data: _Segments, kernel: _copy_crc.CopyCrc, base: int, piece: _Piece
+) -> list[tuple[int, int, int]]:
+    """:func:`read_archive`'s work on one piece, from the file mapped at ``base``: large
+    segments of hashed data copied by ``kernel``, their CRC-32 taken in the copy's pass;
+    the bytes between them (headers, small members) read and hashed as before."""
+    a, b, segments = piece
+    found = []
+    small = []
+    pos = a
+    for lo, hi, i in segments:
+        if hi - lo < _copy_crc.MIN_BYTES:
+            small.append((lo, hi, i))
+            continue
+        if lo > pos:
+            source.read_scattered(pos, data.targets(pos, lo), "zip")
+        found.append((i, kernel(data.address_of(lo), base + lo, hi - lo), hi - lo))
+        pos = hi
+    if b > pos:
+        source.read_scattered(pos, data.targets(pos, b), "zip")
+    found.extend((i, _crc.crc32(data._read(lo, hi - lo)), hi - lo) for lo, hi, i in small)
+    return found
 
 
 #: Stored members at least this large are read into buffers of their own (:func:`read_archive`).
@@ -871,6 +934,14 @@ class _Segments(ByteSource):
                 pos = stop
             k += 1
         return out
+
+    def address_of(self, offset: int) -> int:
+        """The memory address that the file's byte at ``offset`` is read to."""
+        import numpy as np
+
+        k = bisect.bisect_right(self._starts, offset) - 1
+        start, buf = self._segments[k]
+        return int(np.frombuffer(buf, np.uint8).ctypes.data) + offset - start
 
     def _read(self, offset: int, n: int) -> memoryview:
         parts = self.targets(offset, offset + n)

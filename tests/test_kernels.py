@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pytreeio import kernels, quant, quant_host, transpose
+from pytreeio.pools import Warming
 
 needs_numba = pytest.mark.skipif(not kernels.available(), reason="numba is not installed")
 ROOT = Path(__file__).resolve().parents[1]
@@ -349,9 +350,9 @@ def _run_kernel_in(site: Path, env: dict[str, str]) -> None:
 @needs_numba
 def test_first_large_array_does_not_wait_for_numba(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels, "_module", None)
-    monkeypatch.setattr(kernels, "_warming", None)
+    monkeypatch.setattr(kernels, "_warming", Warming(kernels._load_and_run, "test-kernels"))
     assert not kernels.use(1 << 30)  # loading starts in the background; numpy does this one
-    warming = kernels._warming
+    warming = kernels._warming.thread
     assert warming is not None
     warming.join(60)
     assert kernels.use(1 << 30) and not kernels.use(kernels.MIN_BYTES - 1)

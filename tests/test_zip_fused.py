@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pytreeio as ptio
-from pytreeio import crc, npy
+from pytreeio import copy_crc, crc, npy
 from pytreeio import zip as zipfmt
 from pytreeio.binary import BufferSource, as_memoryview
 from pytreeio.errors import FormatError
@@ -20,9 +20,17 @@ from pytreeio.io import FileSource, write_file_atomic
 from pytreeio.registry import Deferred, Encoded
 
 
-@pytest.fixture
-def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pieces, pool jobs and thresholds a few hundred bytes large, so small files take every path."""
+@pytest.fixture(params=["hash after read", "copy and hash"])
+def small_pieces(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces, pool jobs and thresholds a few hundred bytes large, so small files take every path;
+    once reading then hashing each piece, once copying hashed data from the mapped file with the
+    copy + CRC-32 kernel (every segment of one byte or more)."""
+    if request.param == "copy and hash":
+        if not copy_crc.ready():
+            pytest.skip("no copy + CRC-32 kernel on this machine")
+        monkeypatch.setattr(copy_crc, "MIN_BYTES", 1)
+    else:
+        monkeypatch.setattr(copy_crc, "use", lambda nbytes: None)
     monkeypatch.setattr(zipfmt, "_FUSED_PIECE", 300)
     monkeypatch.setattr(zipfmt, "_READ_PIECE", 700)
     monkeypatch.setattr(zipfmt, "FUSED_MIN", 1)

@@ -85,7 +85,7 @@ def _op(spec: dict[str, Any], size: int, root: Path, src_root: Path) -> Any:
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
-    from pytreeio import kernels
+    from pytreeio import copy_crc, kernels
 
     with tempfile.TemporaryDirectory(prefix="pytreeio-peakmem-", dir=spec["scratch"]) as tmp:
         warm = Path(tmp) / "warm"
@@ -93,6 +93,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         # numba's import and code generator are a one-time cost of the process, like imports
         # (a 64 KiB tree is too small to load them: pytreeio.kernels.MIN_BYTES)
         kernels.ready()
+        copy_crc.ready()  # the same for the npz reads' copy + CRC-32 kernel (llvmlite)
         shutil.rmtree(warm)
         fn = _op(spec, spec["size"], Path(tmp) / "run", Path(spec["dir"]))
         gc.collect()
