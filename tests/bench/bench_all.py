@@ -32,6 +32,7 @@ rounds, so the comparison is of CPU and memory work, not of the disk.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -236,6 +237,11 @@ class Subject:
     def read_cases(self) -> list[Case]:
         out = []
         for label, fn in rawio.RAW_READS.items():
+            if fn is rawio.read_pread_arrays:
+                # into arrays of the sizes of this tree's tensors (Tiny Llama's differ from
+                # the MLP's), the sizes pytreeio's load gives each tensor
+                sizes = [leaf.nbytes for leaf in self.run.leaves_of(self.tree_kind)]
+                fn = functools.partial(fn, sizes=sizes)
             out.append(Case(f"{label} {self.name}", lambda fn=fn: fn(self.dir, self.read_files)))
             self.cases[label] = out[-1]
         self.cases["load"] = Case(f"load {self.name}", lambda: self._load(self.path))

@@ -5,13 +5,15 @@ paths and sizes), so a format is compared with raw I/O of exactly its own
 bytes and layout.  Reads go into freshly allocated arrays, as a load must
 (page faults and kernel zero-fill included); the best raw read of a machine
 is the fastest of single-thread ``readinto``, multi-thread ``pread`` (into one
-array per file, and into one array per tensor-sized piece: the allocator
-recycles memory of up to 32 MiB from one read to the next, a file-sized
-array is mapped and zero-filled afresh) and ``mmap`` + copy.
+array per file, and into arrays of the sizes of the loaded tree's tensors: the
+allocator recycles memory of up to 32 MiB from one read to the next, a larger
+array is mapped and zero-filled afresh, so a tree's tensor sizes set this
+floor) and ``mmap`` + copy.
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 from collections.abc import Sequence
@@ -112,26 +114,31 @@ def read_pread(root: Path, files: FileSet, threads: int = 2) -> list[np.ndarray]
 ARRAY_BYTES = 8 << 20
 
 
-def read_pread_arrays(root: Path, files: FileSet, threads: int = 2) -> list[np.ndarray]:
-    """``threads`` threads ``pread`` every file into fresh arrays of :data:`ARRAY_BYTES` each,
-    as a load that gives each tensor an array of its own reads them."""
-    return _pread_all(root, files, threads, array_bytes=ARRAY_BYTES)
+def read_pread_arrays(
+    root: Path, files: FileSet, threads: int = 2, sizes: Sequence[int] | None = None
+) -> list[np.ndarray]:
+    """``threads`` threads ``pread`` every file into fresh arrays, as a load that gives each
+    tensor an array of its own reads them: arrays of ``sizes`` bytes (the loaded tree's
+    tensors, in order, repeated over the files' bytes), or of :data:`ARRAY_BYTES` each."""
+    return _pread_all(root, files, threads, array_bytes=sizes or [ARRAY_BYTES])
 
 
 def _pread_all(
-    root: Path, files: FileSet, threads: int, array_bytes: int | None
+    root: Path, files: FileSet, threads: int, array_bytes: Sequence[int] | None
 ) -> list[np.ndarray]:
-    """Every file in fresh arrays of ``array_bytes`` (None: one per file), read by ``threads``
-    threads in blocks of at most 16 MiB."""
+    """Every file in fresh arrays of ``array_bytes`` each, in turn (None: one per file), read
+    by ``threads`` threads in blocks of at most 16 MiB."""
     out = []
     fds = []
     jobs = []
+    steps = itertools.cycle([max(1, n) for n in array_bytes] if array_bytes else [0])
     try:
         for path, size in _paths(root, files):
             fd = os.open(path, os.O_RDONLY)
             fds.append(fd)
-            step = array_bytes or max(size, 1)
-            for start in range(0, size, step):
+            start = 0
+            while start < size:
+                step = next(steps) or size
                 buf = np.empty(min(step, size - start), np.uint8)
                 out.append(buf)
                 view = memoryview(buf).cast("B")
@@ -139,6 +146,7 @@ def _pread_all(
                     (fd, view[s : s + _PREAD_BLOCK], start + s)
                     for s in range(0, len(view), _PREAD_BLOCK)
                 ]
+                start += len(view)
             if size == 0:
                 out.append(np.empty(0, np.uint8))
         with ThreadPoolExecutor(threads) as pool:

@@ -168,7 +168,7 @@ def markdown(results: dict[str, Any]) -> str:
         "`durable=False` against raw `write`; loads read page-cached files (each read once "
         "before timing) into fresh arrays, against the best raw read of the same files "
         "(fastest of 1-thread `readinto`, 2-thread `pread` into one array per file and into "
-        "tensor-sized arrays, `mmap` + copy).",
+        "arrays of the sizes of the tree's tensors, `mmap` + copy).",
         "",
     ]
     t = results.get("throughput")
