@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import mmap
 import re
 import struct
 import zlib
@@ -867,7 +868,41 @@ def _run_mapped(
     if b > pos:
         source.read_scattered(pos, data.targets(pos, b), "zip")
     found.extend((i, _crc.crc32(data._read(lo, hi - lo)), hi - lo) for lo, hi, i in small)
+    _unmap_pages(base, a, b)
     return found
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise`` (a ctypes call, which releases the GIL), or None where there is none."""
+    import ctypes
+
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+def _unmap_pages(base: int, a: int, b: int) -> None:
+    """Drop the pages of file bytes ``a:b`` from the mapping at ``base`` once copied.
+
+    The page cache keeps them; what goes is their mapping into this process,
+    which would otherwise count the whole file in its resident set on top of
+    the arrays it was copied into (a load's peak memory twice the tree's).  A
+    page shared with the next piece is mapped again if that piece's copy
+    still reads it.
+    """
+    madvise = _madvise()
+    if madvise is None:
+        return
+    page = mmap.PAGESIZE
+    start = a - a % page
+    madvise(base + start, b - start, mmap.MADV_DONTNEED)
 
 
 #: Stored members at least this large are read into buffers of their own (:func:`read_archive`).

@@ -205,3 +205,27 @@ def test_a_source_that_cannot_be_mapped_is_read_as_before(
         back = npy.read_npz(fs)
     assert not kernel_reads
     assert all(back[k].tobytes() == v.tobytes() for k, v in items.items())
+
+
+def test_copied_pages_leave_the_process_mapping_as_the_copy_goes(
+    kernel_reads: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each piece's pages are dropped from the mapping once copied: a load's resident set
+    # holds the arrays, not also the whole mapped file
+    path, items, data = _archive(tmp_path)
+    dropped: list[tuple[int, int]] = []
+    real = zipfmt._unmap_pages
+
+    def spy(base: int, a: int, b: int) -> None:
+        dropped.append((a, b))
+        real(base, a, b)
+
+    monkeypatch.setattr(zipfmt, "_unmap_pages", spy)
+    with FileSource(path) as fs:
+        back = npy.read_npz(fs)
+    assert sorted(dropped)[0][0] == 0 and max(b for _, b in dropped) == len(data)
+    covered = 0
+    for a, b in sorted(dropped):
+        assert a <= covered  # no gap
+        covered = max(covered, b)
+    assert all(back[k].tobytes() == v.tobytes() for k, v in items.items())
