@@ -858,12 +858,14 @@ def _run_mapped(
     small = []
     pos = a
     for lo, hi, i in segments:
-        if hi - lo < _copy_crc.MIN_BYTES:
+        # (the directory was checked against the file's size; the kernel reads no further)
+        dst = data.address_of(lo, hi - lo) if lo >= 0 and hi <= source.size else None
+        if hi - lo < _copy_crc.MIN_BYTES or dst is None:
             small.append((lo, hi, i))
             continue
         if lo > pos:
             source.read_scattered(pos, data.targets(pos, lo), "zip")
-        found.append((i, kernel(data.address_of(lo), base + lo, hi - lo), hi - lo))
+        found.append((i, kernel(dst, base + lo, hi - lo), hi - lo))
         pos = hi
     if b > pos:
         source.read_scattered(pos, data.targets(pos, b), "zip")
@@ -970,12 +972,17 @@ class _Segments(ByteSource):
             k += 1
         return out
 
-    def address_of(self, offset: int) -> int:
-        """The memory address that the file's byte at ``offset`` is read to."""
+    def address_of(self, offset: int, n: int) -> int | None:
+        """The memory address that the file's bytes ``offset:offset + n`` are read to, or None
+        if they do not lie in one buffer."""
         import numpy as np
 
         k = bisect.bisect_right(self._starts, offset) - 1
+        if k < 0:
+            return None
         start, buf = self._segments[k]
+        if offset + n > start + len(buf):
+            return None
         return int(np.frombuffer(buf, np.uint8).ctypes.data) + offset - start
 
     def _read(self, offset: int, n: int) -> memoryview:

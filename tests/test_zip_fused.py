@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import io as _io
 import itertools
 import zlib
@@ -373,6 +374,13 @@ def test_reads_across_segments_are_assembled() -> None:
     assert src.read(15, 5, "x").obj is own[0][1].obj  # within one segment: a view of its buffer
     with pytest.raises(FormatError):
         src.read(90, 11, "x")
+    # the copy kernel's destinations: an address only for bytes that lie in one buffer
+    for a, b in itertools.combinations(range(101), 2):
+        address = src.address_of(a, b - a)
+        within = next(((s, len(v)) for s, v in segments if s <= a < s + len(v)))
+        assert (address is not None) == (b <= within[0] + within[1]), (a, b)
+        if address is not None:
+            assert ctypes.string_at(address, b - a) == whole[a:b].tobytes()
 
 
 def test_mutated_archives_read_from_files_as_from_bytes(small_pieces: None, tmp_path: Path) -> None:
