@@ -40,7 +40,17 @@ from typing import Any
 
 from .pools import Warming
 
-__all__ = ["MIN_BYTES", "available", "use", "ready", "copy_crc32", "build", "CopyCrc"]
+__all__ = [
+    "MIN_BYTES",
+    "available",
+    "use",
+    "ready",
+    "copy_crc32",
+    "build",
+    "cpu_features",
+    "kernel_ir",
+    "CopyCrc",
+]
 
 #: Copies below this many bytes are not worth the kernel (callers copy and hash as before).
 MIN_BYTES = 64 << 10
