@@ -85,13 +85,15 @@ def _fold_constant(bits: int) -> tuple[int, int]:
     return k(bits + 32), k(bits - 32)
 
 
-def kernel_ir(accumulators: int, wide: bool) -> str:
+def kernel_ir(accumulators: int, wide: bool, opaque_pointers: bool = True) -> str:
     """LLVM IR of ``i64 copy_fold(ptr src, ptr dst, i64 n, i64 start, ptr out)``.
 
     Copies the whole 16-byte blocks of ``src[:n]`` to ``dst``, folding them
     into one 128-bit value stored at ``out``; returns the bytes done (``n``
     rounded down to 16).  ``start`` (the CRC register, ``~crc``) is xored into
     the first 4 bytes.  Needs ``n >= accumulators * (32 if wide else 16)``.
+    ``opaque_pointers``: LLVM 17 on knows only ``ptr``; LLVM 15 and 16 (llvmlite
+    0.44) parse typed pointers only (``i8*``, cast to the vector's pointer type).
     """
     lanes = 2 if wide else 1
     vec = f"<{2 * lanes} x i64>"
@@ -113,17 +115,33 @@ def kernel_ir(accumulators: int, wide: bool) -> str:
         emit(f"  %mix{count} = xor {ty} %lo{count}, %hi{count}")
         emit(f"  {into} = xor {ty} %mix{count}, {block}")
 
+    def pointer(ty: str) -> str:
+        return "ptr" if opaque_pointers else f"{ty}*"
+
+    def base(arg: str, ty: str) -> str:
+        """``%arg`` as a pointer to ``ty``s."""
+        return f"%{arg}" if opaque_pointers else f"%{arg}.{'v' if ty == vec else 'x'}"
+
     def copy(index: str, name: str, ty: str) -> None:
-        emit(f"  %from.{name} = getelementptr {ty}, ptr %src, i64 {index}")
-        emit(f"  %{name} = load {ty}, ptr %from.{name}, align 1")
-        emit(f"  %to.{name} = getelementptr {ty}, ptr %dst, i64 {index}")
-        emit(f"  store {ty} %{name}, ptr %to.{name}, align 1")
+        p = pointer(ty)
+        emit(f"  %from.{name} = getelementptr {ty}, {p} {base('src', ty)}, i64 {index}")
+        emit(f"  %{name} = load {ty}, {p} %from.{name}, align 1")
+        emit(f"  %to.{name} = getelementptr {ty}, {p} {base('dst', ty)}, i64 {index}")
+        emit(f"  store {ty} %{name}, {p} %to.{name}, align 1")
 
     emit(f"declare {xmm} @llvm.x86.pclmulqdq({xmm}, {xmm}, i8)")
     if wide:
         emit(f"declare {vec} @{clmul}({vec}, {vec}, i8)")
-    emit("define i64 @copy_fold(ptr %src, ptr %dst, i64 %n, i64 %start, ptr %out) {")
+    byte_pointer = pointer("i8")
+    emit(
+        f"define i64 @copy_fold({byte_pointer} %src, {byte_pointer} %dst, i64 %n, i64 %start,"
+        f" {byte_pointer} %out) {{"
+    )
     emit("entry:")
+    if not opaque_pointers:
+        for arg in ("src", "dst", "out"):
+            for ty in dict.fromkeys((vec, xmm)):  # one type when narrow
+                emit(f"  {base(arg, ty)} = bitcast i8* %{arg} to {ty}*")
     for i in range(accumulators):
         copy(str(i), f"first{i}", vec)
     emit(f"  %start.v = insertelement {vec} zeroinitializer, i64 %start, i32 0")
@@ -178,7 +196,7 @@ def kernel_ir(accumulators: int, wide: bool) -> str:
     fold("%acc", near, "%tail", "%acc.next", xmm, "llvm.x86.pclmulqdq")
     emit("  br label %rest")
     emit("done:")
-    emit(f"  store {xmm} %acc, ptr %out, align 1")
+    emit(f"  store {xmm} %acc, {pointer(xmm)} {base('out', xmm)}, align 1")
     emit("  %bytes = shl i64 %j, 4")
     emit("  ret i64 %bytes")
     emit("}")
@@ -243,7 +261,8 @@ def build(wide: bool | None = None) -> CopyCrc:
     # 4 registers of 32 bytes or 8 of 16: enough independent folds to cover the
     # multiply's latency (measured: more gained nothing)
     accumulators = 4 if wide else 8
-    module = llvm.parse_assembly(kernel_ir(accumulators, wide))
+    opaque = llvm.llvm_version_info >= (17,)
+    module = llvm.parse_assembly(kernel_ir(accumulators, wide, opaque_pointers=opaque))
     module.verify()
     target = llvm.Target.from_default_triple().create_target_machine(
         cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3
