@@ -262,18 +262,34 @@ def build(wide: bool | None = None) -> CopyCrc:
     # multiply's latency (measured: more gained nothing)
     accumulators = 4 if wide else 8
     opaque = llvm.llvm_version_info >= (17,)
-    module = llvm.parse_assembly(kernel_ir(accumulators, wide, opaque_pointers=opaque))
-    module.verify()
-    target = llvm.Target.from_default_triple().create_target_machine(
-        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3
-    )
-    engine = llvm.create_mcjit_compiler(module, target)
-    engine.finalize_object()
-    address = engine.get_function_address("copy_fold")
+    ir = kernel_ir(accumulators, wide, opaque_pointers=opaque)
+    with _numba_compiling():
+        # a context of its own: LLVM's global one is not safe to share with numba's
+        # compiles on other threads (pytreeio.kernels warms up on one)
+        context = llvm.create_context()
+        module = llvm.parse_assembly(ir, context=context)
+        module.verify()
+        target = llvm.Target.from_default_triple().create_target_machine(
+            cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3
+        )
+        engine = llvm.create_mcjit_compiler(module, target)
+        engine.finalize_object()
+        address = engine.get_function_address("copy_fold")
     c = ctypes.c_uint64
     # a ctypes call releases the GIL: threads copy in parallel
     fn = ctypes.CFUNCTYPE(ctypes.c_int64, c, c, ctypes.c_int64, c, c)(address)
-    return CopyCrc(fn, (engine, module, target), wide, accumulators)
+    return CopyCrc(fn, (engine, module, target, context), wide, accumulators)
+
+
+def _numba_compiling() -> Any:
+    """numba's compiler lock when numba is imported (held while LLVM builds; never imports
+    numba), else a no-op context."""
+    import contextlib
+    import sys
+
+    held = sys.modules.get("numba.core.compiler_lock")
+    lock = getattr(held, "global_compiler_lock", None)
+    return lock if lock is not None else contextlib.nullcontext()
 
 
 def enabled() -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import io as _io
+import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -229,3 +230,19 @@ def test_copied_pages_leave_the_process_mapping_as_the_copy_goes(
         assert a <= covered  # no gap
         covered = max(covered, b)
     assert all(back[k].tobytes() == v.tobytes() for k, v in items.items())
+
+
+def test_a_build_holds_numbas_compiler_lock_only_when_numba_is_loaded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import contextlib
+    import sys
+    import types
+
+    monkeypatch.delitem(sys.modules, "numba.core.compiler_lock", raising=False)
+    assert isinstance(copy_crc._numba_compiling(), contextlib.nullcontext)  # numba not imported
+    fake = types.ModuleType("numba.core.compiler_lock")
+    lock = threading.RLock()
+    fake.global_compiler_lock = lock  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "numba.core.compiler_lock", fake)
+    assert copy_crc._numba_compiling() is lock
