@@ -11,7 +11,7 @@ distance, then of one accumulator by the constant for 16 bytes (Gopal et al.,
 Intel, 2009).  The folded 16 bytes have the message's CRC, which zlib
 finishes over them and the last (< 16) bytes.
 
-Layout of :func:`copy_crc32`'s work on ``n`` bytes (``V`` = 16 or 32 bytes)::
+Layout of a :class:`CopyCrc` call's work on ``n`` bytes (``V`` = 16 or 32 bytes)::
 
     [K*V bytes: the accumulators' first values, the CRC's start value xored into
      the first 4 bytes] [K*V bytes folded at a time] ... [16-byte blocks] [< 16 bytes]
@@ -23,7 +23,7 @@ reads this serves, and need aligned destinations).
 The kernel is compiled from LLVM IR by llvmlite (numba's code generator, in
 the ``fast`` extra) on a background thread the first time a large copy asks
 for it (:func:`use`, ~55 ms: llvmlite's import and one compile), and is used
-once ready; :func:`available` is false on CPUs without carry-less multiply,
+once ready; :func:`ready` is false on CPUs without carry-less multiply,
 where llvmlite is missing, with ``PYTREEIO_NO_NUMBA=1``, or if building it
 failed.  Callers keep their read-then-hash path meanwhile.
 """
@@ -42,10 +42,8 @@ from .pools import Warming
 
 __all__ = [
     "MIN_BYTES",
-    "available",
     "use",
     "ready",
-    "copy_crc32",
     "build",
     "cpu_features",
     "kernel_ir",
@@ -297,14 +295,6 @@ def enabled() -> bool:
     return os.environ.get("PYTREEIO_NO_NUMBA", "") in ("", "0") and not _failed
 
 
-def available() -> bool:
-    """Whether the kernel is enabled and builds here (builds it on this thread on first call)."""
-    if not enabled():
-        return False
-    _build_once()
-    return _kernel is not None
-
-
 def use(nbytes: int) -> CopyCrc | None:
     """The kernel, if ready, for a copy of ``nbytes``; never waits.
 
@@ -325,14 +315,6 @@ def ready(timeout: float | None = None) -> bool:
         return False
     _warming.wait(timeout)
     return _kernel is not None
-
-
-def copy_crc32(dst: int, src: int, n: int, value: int = 0) -> int:
-    """:class:`CopyCrc`'s call with the kernel built here if need be (for tests and tools)."""
-    if not available():
-        raise RuntimeError("the copy + CRC-32 kernel is not available on this machine")
-    assert _kernel is not None
-    return _kernel(dst, src, n, value)
 
 
 def _build_once() -> None:

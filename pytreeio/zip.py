@@ -806,11 +806,10 @@ def read_archive(
         return [(i, _crc.crc32(data._read(lo, hi - lo)), hi - lo) for lo, hi, i in segments]
 
     kernel = _copy_crc.use(max((hi - lo for _, _, s in pieces for lo, hi, _ in s), default=0))
-    mapping = _map(source) if kernel is not None else None
+    mapping = None
+    if kernel is not None and (mapping := _map(source)) is not None:
+        run = functools.partial(_run_mapped, source, data, kernel, _address(mapping))
     try:
-        if mapping is not None:
-            assert kernel is not None
-            run = functools.partial(_run_mapped, source, data, kernel, _address(mapping))
         if workers == 1:
             results = [run(p) for p in pieces]
         else:
@@ -839,12 +838,12 @@ def _map(source: RangeSource) -> Any:
         return None
 
 
-def _address(mapping: Any) -> int:
-    """Where ``mapping`` lies in memory.  (A read-only mapping exports no writable buffer for
-    ctypes; numpy's view of it is dropped at once, so that the mapping can be closed.)"""
+def _address(buffer: Any) -> int:
+    """Where ``buffer``'s bytes lie in memory.  (A read-only mapping exports no writable
+    buffer for ctypes; numpy's view is dropped at once, so that a mapping can be closed.)"""
     import numpy as np
 
-    return int(np.frombuffer(mapping, np.uint8).ctypes.data)
+    return int(np.frombuffer(buffer, np.uint8).ctypes.data)
 
 
 def _run_mapped(
@@ -954,9 +953,7 @@ class _Segments(ByteSource):
 
     def address(self) -> int:
         """Where the first segment's memory begins (0 for an empty file)."""
-        import numpy as np
-
-        return int(np.frombuffer(self._segments[0][1], np.uint8).ctypes.data) if self.size else 0
+        return _address(self._segments[0][1]) if self.size else 0
 
     def targets(self, a: int, b: int) -> list[memoryview]:
         """The buffers that bytes ``a:b`` of the file go to, in file order."""
@@ -975,15 +972,13 @@ class _Segments(ByteSource):
     def address_of(self, offset: int, n: int) -> int | None:
         """The memory address that the file's bytes ``offset:offset + n`` are read to, or None
         if they do not lie in one buffer."""
-        import numpy as np
-
         k = bisect.bisect_right(self._starts, offset) - 1
         if k < 0:
             return None
         start, buf = self._segments[k]
         if offset + n > start + len(buf):
             return None
-        return int(np.frombuffer(buf, np.uint8).ctypes.data) + offset - start
+        return _address(buf) + offset - start
 
     def _read(self, offset: int, n: int) -> memoryview:
         parts = self.targets(offset, offset + n)
