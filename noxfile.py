@@ -33,16 +33,15 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """The benchmark suite: every format and the peers against raw I/O (not a test).
+    """The benchmark suite: cold loads, saves, first load per tensor, peak memory (not a test).
 
-    Prints a markdown table with PASS/MISS per target and writes
-    tests/bench/results/latest.json and latest.md; arguments go to the suite
-    (``nox -s bench -- --size 128 --only msgpack``).
+    Every load is the first in a fresh process, page cache warm and dropped, against raw
+    reads of the same bytes; prints a markdown table with PASS/MISS per target and writes
+    tests/bench/results/latest.json and latest.md. Arguments go to the suite
+    (``nox -s bench -- --size 64 --only msgpack --old ../pytreeio-old``).
     """
     session.install("-e", ".[bench]")
     session.run("python", "tests/bench/bench_all.py", *session.posargs)
-    session.run("python", "tests/bench/bench_tinyllama.py")
-    session.run("python", "tests/bench/bench_quant.py")
 
 
 @nox.session(python=PYTHON)

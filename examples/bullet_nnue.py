@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 import pytreeio as ptio
-from pytreeio.fmt import bullet
+from pytreeio.formats.bullet import checkpoint as bullet
 
 INPUTS, HIDDEN, BUCKETS = 768, 64, 8
 QA, QB, SCALE = 255, 64, 400  # SCALE: output units -> centipawns

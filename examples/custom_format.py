@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 import pytreeio as ptio
-from pytreeio.registry import STRUCTURE  # sniff scores: MAGIC, STRUCTURE, WEAK
+from pytreeio.core.records import STRUCTURE
 
 NAME = "jsonarrays"
 _HEAD = re.compile(rb'^\s*\{\s*"format"\s*:\s*"jsonarrays"')

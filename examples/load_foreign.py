@@ -27,7 +27,7 @@ import numpy as np
 import optax
 
 import pytreeio as ptio
-from pytreeio.fmt import bullet
+from pytreeio.formats.bullet import checkpoint as bullet
 from pytreeio.models import tinyllama as tl
 
 HERE = Path(__file__).resolve().parent

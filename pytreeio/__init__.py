@@ -8,7 +8,7 @@
 imported by the operations that need them.
 """
 
-from .api import (
+from pytreeio.api import (
     convert,
     convert_buffer,
     decode,
@@ -21,7 +21,7 @@ from .api import (
     save,
     verify,
 )
-from .errors import (
+from pytreeio.core.errors import (
     ConversionError,
     EncodeError,
     FormatError,
@@ -33,8 +33,7 @@ from .errors import (
     QuantisationError,
     UnknownFormatError,
 )
-from .layouts import forget_layouts
-from .registry import (
+from pytreeio.core.records import (
     DIRECTORY,
     FILE,
     Decoded,
@@ -44,9 +43,9 @@ from .registry import (
     Info,
     Probe,
     Siblings,
-    register,
 )
-from .tree import flatten, unflatten
+from pytreeio.core.tree import flatten, unflatten
+from pytreeio.formats.registry import register
 
 __version__ = "0.1.0"
 
@@ -67,7 +66,6 @@ __all__ = [
     "decode",
     "verify",
     "formats",
-    "forget_layouts",
     "flatten",
     "unflatten",
     "register",
@@ -100,11 +98,11 @@ _LAZY = frozenset({"open", "Checkpoint"})
 
 def __getattr__(name: str) -> object:
     if name in _ASYNC:
-        from . import async_save
+        from pytreeio import async_save
 
         return getattr(async_save, name)
     if name in _LAZY:
-        from . import lazy
+        from pytreeio import lazy
 
         return getattr(lazy, name)
     raise AttributeError(f"module 'pytreeio' has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 ``save_async`` does on the caller's thread everything that can fail because
 of the tree (choosing the format, checking options, encoding: an
-:class:`~pytreeio.errors.EncodeError` raises before it returns) and takes a
+:class:`~pytreeio.core.errors.EncodeError` raises before it returns) and takes a
 snapshot of the bytes to write: jax arrays are fetched to the host (every
 ``copy_to_host_async`` is started before the first is waited for), and every
 array buffer the encoding refers to is copied, numpy arrays included, so the
@@ -44,10 +44,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import io, sharding
-from .binary import as_memoryview
-from .pools import new_pool
-from .registry import Deferred, Encoded, Format
+from pytreeio import io
+from pytreeio.core import shards
+from pytreeio.core.binary import Deferred, as_memoryview
+from pytreeio.core.records import Encoded, Format
+from pytreeio.core.threads import new_pool, pool
 
 if TYPE_CHECKING:  # not at run time: the module cannot be imported once the interpreter exits
     from concurrent.futures import ThreadPoolExecutor
@@ -154,7 +155,7 @@ def _snapshot(encoded: Encoded) -> Encoded:
 
     ``bytes`` chunks are immutable and kept; the rest (views of the caller's
     arrays, or of host copies of jax arrays) are copied into one allocation
-    per file.  :class:`~pytreeio.registry.Deferred` chunks (the shards of an
+    per file.  :class:`~pytreeio.core.binary.Deferred` chunks (the shards of an
     array spread over several devices, streamed tensors) read the caller's
     arrays, so they are produced now, in file order (checksums of streamed
     data are taken as it comes), each copied into the allocation and dropped
@@ -214,7 +215,7 @@ def _frozen(chunk: Deferred) -> Deferred:
 
 def _owned(chunk: Any) -> bool:
     """A chunk of jax's read-only host copy of an accelerator array: kept, not copied."""
-    return isinstance(chunk, sharding.ShardChunk) and chunk.owned and not chunk.late
+    return isinstance(chunk, shards.ShardChunk) and chunk.owned and not chunk.late
 
 
 def _copy_into(store: np.ndarray, copies: list[tuple[memoryview, int]]) -> None:
@@ -237,7 +238,7 @@ def _copy_into(store: np.ndarray, copies: list[tuple[memoryview, int]]) -> None:
         for block in blocks:
             copy(block)
         return
-    for _ in io.read_pool().map(copy, blocks):  # re-raises the first failure
+    for _ in pool().map(copy, blocks):  # re-raises the first failure
         pass
 
 
@@ -275,14 +276,14 @@ def _write(
     durable: bool,
     reserved: int,
 ) -> None:
-    from .api import _deliver_deferred
+    from pytreeio.engine.dispatch import deliver_deferred
 
     try:
         if before is not None:
             _wait([before])  # submitted earlier to a FIFO pool: already running or done
         future.set_running_or_notify_cancel()  # never cancelled: see SaveFuture.cancel
         io.write_atomic(path, encoded, fmt.layout, durable=durable)
-        _deliver_deferred(encoded)
+        deliver_deferred(encoded)
     except BaseException as exc:
         future.set_exception(exc)
     else:
@@ -325,14 +326,14 @@ def save_async(
     written; a snapshot larger than the bound waits until no save is pending.
     ``0`` makes each call wait for every earlier save (one snapshot at a time).
     """
-    from .api import _encode, _format_for_save
+    from pytreeio.engine.dispatch import encode_tree, format_for_save
 
     limit = MAX_PENDING_BYTES if max_pending_bytes is None else max_pending_bytes
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
         raise ValueError(f"max_pending_bytes must be an int >= 0, not {max_pending_bytes!r}")
-    fmt = _format_for_save(path, format)
-    sharding.start_host_copies(tree)
-    encoded = _encode(fmt, tree, meta, options, path)
+    fmt = format_for_save(path, format)
+    shards.start_host_copies(tree)
+    encoded = encode_tree(fmt, tree, meta, options, path)
     reserved = encoded.nbytes
     _reserve(reserved, limit)
     try:

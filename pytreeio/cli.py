@@ -44,9 +44,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from . import __version__, api, progress, registry
-from .errors import PytreeioError, PytreeioWarning, UnknownFormatError
-from .registry import Format
+from pytreeio import __version__, api, progress
+from pytreeio.core import records
+from pytreeio.core.errors import PytreeioError, PytreeioWarning, UnknownFormatError
+from pytreeio.core.records import Format
+from pytreeio.formats import registry
 
 T = TypeVar("T")
 
@@ -164,7 +166,7 @@ def _sibling_stem(path: str, format: str | None) -> str | None:
     except UnknownFormatError:
         return None
     for fmt in candidates:
-        if not isinstance(fmt.layout, registry.Siblings):
+        if not isinstance(fmt.layout, records.Siblings):
             continue
         try:
             located = fmt.layout.locate(stem)
@@ -359,10 +361,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_checksum(args: argparse.Namespace) -> int:
-    from . import checksum
+    from pytreeio import integrity
 
     path = resolve_path(args.path, args.format)
-    where = checksum.write_manifest(path, format=args.format)
+    where = integrity.write_manifest(path, format=args.format)
     if not args.quiet:
         print(f"{where}: written")
     return EXIT_OK
@@ -398,7 +400,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from .diff import diff
+    from pytreeio.diff import diff
 
     fmt_a = args.format_a or args.format
     fmt_b = args.format_b or args.format
@@ -429,7 +431,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from pytreeio.demo import run_demo
 
     return run_demo(args.dir, steps=args.steps)
 

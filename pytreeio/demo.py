@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import api
+from pytreeio import api
 
 #: The MLP's layer list (activations included), for formats that store one.
 LAYERS = ["Linear", "ReLU", "Linear", "ReLU", "Linear"]
@@ -157,7 +157,7 @@ def _params_row(
 def _datacode_row(path: Path, t: _Trainer, mid: Any, steps: int) -> Row:
     import optax
 
-    from .rules import datacode as dc
+    from pytreeio.formats.datacode import training as dc
 
     # DataCode records the optimizer's type and hyperparameters, read off an
     # inject_hyperparams state of the same optimizer
@@ -172,7 +172,7 @@ def _datacode_row(path: Path, t: _Trainer, mid: Any, steps: int) -> Row:
 
 
 def _tinyllama_row(out: Path) -> Row:
-    from .models import tinyllama as tl
+    from pytreeio.models import tinyllama as tl
 
     config = tl.TinyLlamaConfig(
         d_model=32, n_layers=2, n_heads=4, ffn_hidden_dim=64, max_seq_len=16, vocab_size=50
@@ -219,7 +219,7 @@ CHAIN = [
 
 
 def _chain(out: Path, t: _Trainer, mid: Any) -> list[tuple[str, float, str, bool]]:
-    from .diff import diff
+    from pytreeio.diff import diff
 
     first = out / CHAIN[0][1]
     api.save(first, mid["params"], format=CHAIN[0][0], layers=LAYERS)

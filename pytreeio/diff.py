@@ -13,14 +13,14 @@ between two different formats sequence indices ``[0]`` and string keys
 Two checkpoints of different *model* formats (netcl and DataCode, bullet and
 cl-waffe2, ...) name and orient their arrays differently, so they are
 compared through the common model form (DESIGN.md "Models"): each format's
-``to_model`` gives a :class:`~pytreeio.model.Model`, and its layers' arrays
+``to_model`` gives a :class:`~pytreeio.model.form.Model`, and its layers' arrays
 (Flax orientation) are compared as ``layers[0].kernel``, ``layers[0].bias``,
 ..., its optimizer slots as ``opt.mu[0]`` (by parameter position) and the
 step count as ``opt.count`` when both checkpoints hold an optimizer state.
 A generic checkpoint that holds a Flax tree is compared with a model format
 the same way (its layer list taken from the other side), and a safetensors
 file that carries a model format's native tree (what :func:`pytreeio.convert`
-writes, see :mod:`pytreeio.conversion`) compares as that format.
+writes, see :mod:`pytreeio.engine.conversion`) compares as that format.
 ``through_model=True``/``False`` forces either way.
 
 Layers without arrays (activations) are not stored by every format (bullet
@@ -53,10 +53,11 @@ from typing import Any
 
 import numpy as np
 
-from . import api, registry
-from .errors import PytreeioError
-from .registry import Format
-from .tree import iter_leaves, key_string
+from pytreeio import api
+from pytreeio.core.errors import PytreeioError
+from pytreeio.core.records import Format
+from pytreeio.core.tree import iter_leaves, key_string
+from pytreeio.formats import registry
 
 __all__ = ["diff", "diff_trees", "compare_leaves", "DiffReport", "EntryDiff", "STATUSES"]
 
@@ -541,9 +542,9 @@ def _native_entries(
 
 
 def _model_of(fmt: Format, native: Any, meta: Mapping[str, Any], hint: Any = None) -> Any:
-    """The :class:`~pytreeio.model.Model` of a checkpoint (generic formats: of its Flax tree)."""
-    from .errors import MismatchError
-    from .model import Model, is_flax_tree, layer_list
+    """The :class:`~pytreeio.model.form.Model` of a checkpoint (generic formats: of its Flax tree)."""
+    from pytreeio.core.errors import MismatchError
+    from pytreeio.model.form import Model, is_flax_tree, layer_list
 
     if fmt.to_model is not None:
         return fmt.to_model(native, meta)
@@ -569,7 +570,7 @@ def _model_of(fmt: Format, native: Any, meta: Mapping[str, Any], hint: Any = Non
 
 
 def _has_model_form(fmt: Format, native: Any) -> bool:
-    from .model import is_flax_tree
+    from pytreeio.model.form import is_flax_tree
 
     if fmt.to_model is not None:
         return True
@@ -668,9 +669,9 @@ def _model_entries(ma: Any, mb: Any, atol: float, rtol: float) -> tuple[list[Ent
 
 
 def _carried(fmt: Format, meta: dict[str, Any]) -> tuple[Format, dict[str, Any]]:
-    """The format (and meta) of the tree a checkpoint holds (see :func:`pytreeio.conversion.carried`)."""
+    """The format (and meta) of the tree a checkpoint holds (see :func:`pytreeio.engine.conversion.carried`)."""
     try:
-        from .conversion import carried
+        from pytreeio.engine.dispatch import carried
     except ImportError:  # pragma: no cover - older layouts of the package
         return fmt, meta
     inner, inner_meta = carried(fmt, meta)

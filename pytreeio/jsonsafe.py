@@ -4,7 +4,7 @@ Python's :mod:`json` parses hostile input into ``RecursionError`` (deep nesting)
 ``UnicodeDecodeError``, ``ValueError`` without a file offset, ``NaN``/``Infinity``
 values that no JSON writer of ours emits, silently-merged duplicate keys, and
 an unbounded number of Python objects.  :func:`loads` checks all of that and
-raises only :class:`pytreeio.errors.FormatError`, naming the ``field`` and the
+raises only :class:`pytreeio.core.errors.FormatError`, naming the ``field`` and the
 byte ``offset`` in the file.
 
 API::
@@ -37,6 +37,12 @@ API::
 
 Integers longer than Python's 4300-digit conversion limit are a
 :class:`FormatError` too.
+
+Within the bounds, ``orjson`` (a dependency) parses a document 3-5x as fast
+as :mod:`json`, to the same values; what it cannot vouch for (a repeated key,
+which it drops silently; an integer of 19 digits or more, which it may read
+as a float; anything it refuses) is parsed by :mod:`json` with checking
+hooks, which also says what is wrong with a bad document.
 """
 
 from __future__ import annotations
@@ -51,18 +57,19 @@ from typing import Any
 
 import numpy as np
 
-from .binary import BadUtf8, utf8_text
-from .errors import FormatError
+from pytreeio.core.binary import BadUtf8, utf8_text
+from pytreeio.core.errors import FormatError
+
+try:
+    import orjson
+except ImportError:  # pragma: no cover - orjson is a dependency
+    orjson = None  # type: ignore[assignment]
 
 __all__ = [
     "loads",
-    "loads_again",
-    "loads_counted",
-    "orjson_loads",
     "loads_rows",
     "NumberRows",
     "scan",
-    "Scan",
     "max_depth_of",
     "MAX_DEPTH",
     "DEFAULT_ALLOWANCE",
@@ -78,9 +85,14 @@ _BYTES_PER_VALUE = 64
 # Error path only: finds a NaN/Infinity literal outside strings.
 _CONSTANT = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\Z)|(-?Infinity|NaN)', re.DOTALL)
 _CHUNK = 1 << 20
-_BACKSLASH, _QUOTE, _COMMA, _COLON = 0x5C, 0x22, 0x2C, 0x3A
-_OPEN = (0x5B, 0x7B)  # [ {
-_CLOSE = (0x5D, 0x7D)  # ] }
+_QUOTE, _COMMA, _COLON, _BACKSLASH = 0x22, 0x2C, 0x3A, 0x5C
+#: Per byte: +1 for [ and {, -1 for ] and }.
+_STEP = np.zeros(256, np.int8)
+_STEP[[0x5B, 0x7B]] = 1
+_STEP[[0x5D, 0x7D]] = -1
+#: Every digit as b"0", every other byte as b" ": a run of 19 digits is _LONG_RUN.
+_DIGITS_AS_ZERO = bytes(48 if 48 <= i < 58 else 32 for i in range(256))
+_LONG_RUN = b"0" * 19
 
 
 class _Reject(Exception):
@@ -92,81 +104,57 @@ class _Reject(Exception):
         self.token = token
 
 
-class Scan:
-    """What :func:`scan` found: nesting depth, values, object members (colons outside
-    strings), and where the depth limit was crossed."""
+def scan(raw: bytes, max_depth: int | None = None) -> tuple[int, int, int | None]:
+    """``(depth, values, too_deep_at)`` of a JSON text, without parsing it.
 
-    __slots__ = ("depth", "members", "too_deep_at", "values")
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.values = 1
-        self.members = 0
-        self.too_deep_at: int | None = None
-
-
-def scan(raw: bytes, max_depth: int | None = None) -> Scan:
-    """Nesting depth and value count of a JSON text, without parsing it.
-
-    Vectorised over 1 MiB chunks: a quote is a string delimiter unless an
-    odd run of backslashes precedes it; brackets and commas count only
-    outside strings.  Stops at the first bracket deeper than ``max_depth``
-    (its byte position is ``too_deep_at``).  Malformed text gives some
+    ``values`` is an upper estimate (commas and opening brackets outside
+    strings, plus one); ``too_deep_at`` is the byte position of the first
+    bracket deeper than ``max_depth``, where the scan stops (else None).
+    Pairs of backslashes are string content: they are blanked first, keeping
+    every byte's position (``replace`` works left to right, so a run pairs up
+    as a JSON reader pairs it).  Then a quote is a delimiter unless a
+    backslash precedes it, and a bracket or comma is outside strings when an
+    even number of delimiters precede it.  Vectorised over 1 MiB chunks, on
+    the delimiters, brackets and commas alone.  Malformed text gives some
     answer; the parser then reports what is wrong with it.
     """
-    out = Scan()
-    depth = 0
-    in_string = False  # inside a string at the end of the previous chunk
-    run = 0  # backslashes ending the previous chunk
-    view = memoryview(raw)
+    if b"\\\\" in raw:
+        raw = raw.replace(b"\\\\", b"__")
+    depth = deepest = 0
+    values = 1
+    in_string = 0  # 1 when a string is open at the end of the previous chunk
     for start in range(0, len(raw), _CHUNK):
-        a = np.frombuffer(view[start : start + _CHUNK], np.uint8)
+        a = np.frombuffer(raw, np.uint8, min(_CHUNK, len(raw) - start), start)
         quote = a == _QUOTE
-        run = _unescape(a, quote, run)
-        # parity of the quotes up to each position: odd = inside a string
-        inside = np.logical_xor.accumulate(quote)
-        if in_string:
-            np.logical_not(inside, out=inside)
-        outside = ~inside
-        opens = ((a == _OPEN[0]) | (a == _OPEN[1])) & outside
-        closes = ((a == _CLOSE[0]) | (a == _CLOSE[1])) & outside
-        out.values += int(np.count_nonzero(opens)) + int(np.count_nonzero((a == _COMMA) & outside))
-        out.members += int(np.count_nonzero((a == _COLON) & outside))
-        steps = opens.view(np.int8) - closes.view(np.int8)
-        levels = np.cumsum(steps, dtype=np.int32)
-        deepest = depth + int(levels.max())
-        out.depth = max(out.depth, deepest)
-        if max_depth is not None and deepest > max_depth:
-            out.too_deep_at = start + int(np.argmax(levels > max_depth - depth))
-            return out
-        depth += int(levels[-1])
-        in_string = bool(inside[-1])
-    return out
-
-
-def _unescape(a: np.ndarray, quote: np.ndarray, run: int) -> int:
-    """Clear ``quote`` where an odd run of backslashes precedes; return the run ending ``a``."""
-    bs = np.flatnonzero(a == _BACKSLASH)
-    if len(bs) == 0:
-        if run % 2:
+        quote[1:] &= a[:-1] != _BACKSLASH
+        if start and raw[start - 1] == _BACKSLASH:
             quote[0] = False
-        return 0
-    breaks = np.flatnonzero(np.diff(bs) != 1)
-    first = bs[np.concatenate(([0], breaks + 1))]
-    last = bs[np.concatenate((breaks, [len(bs) - 1]))]
-    lengths = last - first + 1
-    if first[0] == 0:
-        lengths[0] += run  # the run began in the previous chunk
-    elif run % 2:
-        quote[0] = False
-    after = last[lengths % 2 == 1] + 1
-    quote[after[after < len(a)]] = False
-    return int(lengths[-1]) if last[-1] == len(a) - 1 else 0
+        low = a | 0x20  # [ and ] as { and }
+        at = np.flatnonzero(quote | (low == 0x7B) | (low == 0x7D) | (a == _COMMA))
+        b = a[at]
+        parity = np.cumsum(quote[at].view(np.int8), dtype=np.int8) & 1  # wraps: parity kept
+        outside = parity == in_string
+        steps = _STEP[b] * outside
+        values += int(np.count_nonzero(steps > 0)) + int(np.count_nonzero(outside & (b == _COMMA)))
+        levels = np.cumsum(steps, dtype=np.int32)
+        if not len(levels):
+            continue
+        in_string ^= int(parity[-1])
+        top = depth + int(levels.max())
+        if max_depth is not None and top > max_depth:
+            return top, values, start + int(at[np.argmax(levels > max_depth - depth)])
+        deepest = max(deepest, top)
+        depth += int(levels[-1])
+    return deepest, values, None
+
+
+def _count(raw: bytes, byte: int) -> int:
+    return int(np.count_nonzero(np.frombuffer(raw, np.uint8) == byte))
 
 
 def max_depth_of(raw: bytes) -> int:
     """The deepest nesting of arrays/objects in a JSON text (brackets inside strings ignored)."""
-    return scan(raw).depth
+    return scan(raw)[0]
 
 
 def _constant_offset(raw: bytes, token: bytes | None) -> int | None:
@@ -214,6 +202,30 @@ def _decoder(allow_nan: bool, allow_duplicates: bool) -> json.JSONDecoder:
     return json.JSONDecoder(**kwargs)
 
 
+def _fast(raw: bytes, allow_duplicates: bool) -> tuple[Any] | None:
+    """``(document,)`` where ``orjson`` reads ``raw`` to what :mod:`json` reads; else None.
+
+    A repeated key is the one difference left to rule out, as ``orjson`` keeps
+    the last value silently.  Every object member has one colon outside
+    strings, and the only escape that makes a colon is ``\\u003a``: without
+    one, the text and the document written out again hold equally many colons
+    exactly when no member was dropped.
+    """
+    if orjson is None or _LONG_RUN in raw.translate(_DIGITS_AS_ZERO):
+        return None
+    try:
+        doc = orjson.loads(raw)
+        if allow_duplicates or (
+            b"\\u003a" not in raw
+            and b"\\u003A" not in raw
+            and _count(raw, _COLON) == _count(orjson.dumps(doc), _COLON)
+        ):
+            return (doc,)
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError):  # e.g. NaN; nesting beyond 255
+        pass
+    return None
+
+
 def loads(
     data: bytes | bytearray | memoryview | str,
     *,
@@ -228,79 +240,8 @@ def loads(
 ) -> Any:
     """Parse one JSON document, bounded; every problem is a :class:`FormatError` (see the module doc)."""
     return _loads(
-        data, path, field, offset, exact, max_depth, max_values, allow_nan, allow_duplicates, None
+        data, path, field, offset, exact, max_depth, max_values, allow_nan, allow_duplicates
     )
-
-
-def loads_again(data: bytes | str) -> Any:
-    """A document that passed :func:`loads` (or :func:`loads_counted`) before, parsed again.
-
-    For replays of kept layouts, where the very bytes were checked: ``orjson``
-    (a dependency) reads them 3-5x as fast as :mod:`json` and to the same
-    values, except integers of 19 digits or more (it reads those beyond 64
-    bits as floats), so a text with such a run of digits goes to :mod:`json`.
-    What else ``orjson`` refuses (a lone surrogate escape, a number out of
-    range) goes there too.
-    """
-    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
-    if _LONG_RUN not in raw.translate(_DIGITS_AS_ZERO):
-        loads = orjson_loads()
-        if loads is not None:
-            try:
-                return loads(raw)
-            except ValueError:  # orjson.JSONDecodeError
-                pass
-    return json.loads(data)
-
-
-#: Every digit as b"0", every other byte as b" ": a run of 19 digits is _LONG_RUN.
-_DIGITS_AS_ZERO = bytes(48 if 48 <= i < 58 else 32 for i in range(256))
-_LONG_RUN = b"0" * 19
-_ORJSON: list[Any] = []
-
-
-def orjson_loads() -> Any:
-    """``orjson.loads`` when ``orjson`` (a dependency) imports, else None (stdlib json then).
-
-    It parses 3-5x as fast as :mod:`json`.  Its results differ from
-    :mod:`json`'s only where callers look anyway: it refuses NaN, lone
-    surrogate escapes and invalid UTF-8, and reads an integer beyond 64 bits
-    as a float (a shape, offset or dict key check refuses it; :func:`loads_again`
-    sends such texts to :mod:`json`).  Imported on first use, looked up once.
-    """
-    if not _ORJSON:
-        try:
-            import orjson
-        except ImportError:  # pragma: no cover - orjson is a dependency
-            _ORJSON.append(None)
-        else:
-            _ORJSON.append(orjson.loads)
-    return _ORJSON[0]
-
-
-def loads_counted(
-    data: bytes | bytearray | memoryview | str,
-    *,
-    path: str | None = None,
-    field: str | None = None,
-    offset: int = 0,
-    exact: bool = True,
-    max_depth: int = MAX_DEPTH,
-    max_values: int | None = None,
-) -> tuple[Any, int]:
-    """:func:`loads` without the per-object duplicate-key hook, for large documents.
-
-    Returns ``(document, members)``: ``members`` is the number of object
-    members (``"key": value`` pairs) in the text.  A repeated key makes the
-    parsed objects hold fewer entries than that, so a caller that sums
-    ``len(obj)`` over distinct objects of the document and finds less than
-    ``members`` must parse it again with :func:`loads` (which reports the
-    duplicate, if there is one).  Equality proves there is none.  Everything
-    else (depth, value count, NaN, utf-8) is checked as :func:`loads` checks it.
-    """
-    counted: list[int] = []
-    doc = _loads(data, path, field, offset, exact, max_depth, max_values, False, True, counted)
-    return doc, counted[0]
 
 
 def _loads(
@@ -313,7 +254,6 @@ def _loads(
     max_values: int | None,
     allow_nan: bool,
     allow_duplicates: bool,
-    counted: list[int] | None,
     where: Callable[[int], int] | None = None,
     extra_values: int = 0,
 ) -> Any:
@@ -330,30 +270,33 @@ def _loads(
         )
 
     if isinstance(data, str):
-        text = data
         try:
             raw = data.encode("utf-8")
         except UnicodeEncodeError as exc:  # lone surrogates from a \ud800-style escape upstream
             raise fail(f"invalid unicode: {exc.reason}", exc.start) from None
     else:
-        raw = bytes(data)
+        raw = _whole_bytes(data)
+
+    if max_values is None:
+        max_values = (len(raw) + DEFAULT_ALLOWANCE) // _BYTES_PER_VALUE
+    _, values, too_deep_at = scan(raw, max_depth)
+    if too_deep_at is not None:
+        raise fail(f"nesting deeper than {max_depth} levels", too_deep_at)
+    if values + extra_values > max_values:
+        raise fail(
+            f"document holds about {values + extra_values:,} values, more than the limit of {max_values:,}"
+        )
+    fast = _fast(raw, allow_duplicates)
+    if fast is not None:
+        return fast[0]
+
+    if isinstance(data, str):
+        text = data
+    else:
         try:
             text = utf8_text(raw)
         except BadUtf8 as exc:
             raise fail(f"invalid utf-8: {exc.reason}", exc.start) from None
-
-    if max_values is None:
-        max_values = (len(raw) + DEFAULT_ALLOWANCE) // _BYTES_PER_VALUE
-    found = scan(raw, max_depth)
-    if found.too_deep_at is not None:
-        raise fail(f"nesting deeper than {max_depth} levels", found.too_deep_at)
-    if found.values + extra_values > max_values:
-        raise fail(
-            f"document holds about {found.values + extra_values:,} values, more than the limit of {max_values:,}"
-        )
-    if counted is not None:
-        counted.append(found.members)
-
     try:
         return _decoder(allow_nan, allow_duplicates).decode(text)
     except json.JSONDecodeError as exc:
@@ -491,9 +434,7 @@ class NumberRows:
 
     def _fast(self, batch: list[tuple[int, int]]) -> np.ndarray | None:
         """The batch's numbers in one flat float64 array, or None where orjson cannot say."""
-        try:
-            import orjson
-        except ImportError:  # pragma: no cover - orjson is a dependency
+        if orjson is None:  # pragma: no cover - orjson is a dependency
             return None
         text = b",".join(self._raw[self._spans[i][0] + 1 : self._spans[i][1] - 1] for i, _ in batch)
         try:
@@ -581,7 +522,7 @@ def loads_rows(
 
     depth = max_depth - 1 if spans else max_depth  # a row is one level below its marker
     doc = _loads(
-        skeleton, path, field, offset, True, depth, max_values, False, False, None, where, numbers
+        skeleton, path, field, offset, True, depth, max_values, False, False, where, numbers
     )
     rows = NumberRows(raw, spans, prefix, path, field, offset)
     return doc, rows

@@ -3,7 +3,7 @@
 ``pytreeio.open(path)`` returns a :class:`Checkpoint`, a read-only mapping of
 flattened native key -> array that reads each tensor's bytes only when it is
 asked for.  It rests on a format's ``slots`` function (see
-:class:`pytreeio.registry.Slot`): where every array of the native tree lies,
+:class:`pytreeio.core.binary.Slot`): where every array of the native tree lies,
 found from the headers alone.  Formats without one decode the whole checkpoint
 once, on first access to anything but :attr:`Checkpoint.info`.
 
@@ -29,10 +29,12 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from typing import Any
 
-from . import api, io
-from .errors import FormatError, MismatchError
-from .registry import Format, Info, Slot
-from .tree import (
+from pytreeio import io
+from pytreeio.core import shards
+from pytreeio.core.binary import Slot
+from pytreeio.core.errors import FormatError, MismatchError
+from pytreeio.core.records import Format, Info
+from pytreeio.core.tree import (
     MISSING,
     LazyLeaf,
     flatten_named,
@@ -41,7 +43,8 @@ from .tree import (
     parse_key_string,
     partial_restore,
 )
-from .tree import _lookup as _child
+from pytreeio.core.tree import _lookup as _child
+from pytreeio.engine import dispatch
 
 __all__ = ["open", "Checkpoint", "load_partial"]
 
@@ -86,7 +89,7 @@ class _Whole(io.FilesOf[_Sources]):
 
 
 class _Bound(LazyLeaf):
-    """A slot with the source it reads from: a leaf that :func:`pytreeio.tree.restore` reads."""
+    """A slot with the source it reads from: a leaf that :func:`pytreeio.core.tree.restore` reads."""
 
     __slots__ = ("_ck", "dtype", "shape", "slot")
 
@@ -100,11 +103,12 @@ class _Bound(LazyLeaf):
         return self._ck._read(self.slot)
 
     def read_region(self, region: tuple[tuple[int, int], ...]) -> Any:
-        from .sharding import read_region
-
         self._ck._check_open()
         with self._ck._located():
-            return read_region(self.slot, self._ck._source, region)
+            return shards.read_region(self.slot, self._ck._source, region)
+
+    def place(self, like: Any, key: str) -> Any:
+        return shards.place(self, like, key)
 
 
 class Checkpoint(Mapping[str, Any]):
@@ -125,7 +129,7 @@ class Checkpoint(Mapping[str, Any]):
     ):
         self.path = os.fspath(path)
         self._closed = True
-        fmt = api._format_for_load(path, format)
+        fmt = dispatch.format_for_load(path, format)
         fmt.check_options(options, "load")
         self._fmt = fmt
         #: Whether reads are checked (see :func:`open`).
@@ -135,10 +139,10 @@ class Checkpoint(Mapping[str, Any]):
         self._source: Any = _Sources(opened) if isinstance(opened, io.FileSet) else opened
         self._closed = False
         if verify:
-            from . import checksum
+            from pytreeio import integrity
 
             try:
-                checksum.check_manifest(path, fmt)  # every file read once, if it has a manifest
+                integrity.check_manifest(path, fmt)  # every file read once, if it has a manifest
             except BaseException:
                 self.close()
                 raise
@@ -149,7 +153,7 @@ class Checkpoint(Mapping[str, Any]):
         if fmt.slots is not None:
             try:
                 with self._located():
-                    slots = api._call(fmt.slots, fmt, self._options, self._source)
+                    slots = dispatch.call(fmt.slots, fmt, self._options, self._source)
             except BaseException:
                 self.close()
                 raise
@@ -183,7 +187,7 @@ class Checkpoint(Mapping[str, Any]):
             else:
                 data = data.read(0, data.size, "file")
             with self._located():
-                native, meta = api._call(fmt.decode, fmt, self._options, data)
+                native, meta = dispatch.call(fmt.decode, fmt, self._options, data)
             self._tree, self._meta = native, dict(meta)
         return self._tree
 
@@ -266,17 +270,19 @@ class Checkpoint(Mapping[str, Any]):
         with self._located(), partial_restore(partial):
             if self._needs_model(like):
                 # to_model wants the whole native tree as arrays (decode's own result)
-                return api._restore(fmt, self._materialize(native), meta, like, self._options)
+                return dispatch.restore_tree(
+                    fmt, self._materialize(native), meta, like, self._options
+                )
             lazy = map_leaves(lambda x: _Bound(x, self) if isinstance(x, Slot) else x, native)
             if prefix:
-                from .tree import restore
+                from pytreeio.core.tree import restore
 
                 return restore(lazy, like, path=path)
-            return api._restore(fmt, lazy, meta, like, self._options)
+            return dispatch.restore_tree(fmt, lazy, meta, like, self._options)
 
     def _needs_model(self, like: Any) -> bool:
-        from . import model as model_mod
-        from .conversion import carried
+        from pytreeio.engine.dispatch import carried
+        from pytreeio.model import form as model_mod
 
         if not model_mod.is_model_like(like):
             return False
@@ -291,7 +297,7 @@ class Checkpoint(Mapping[str, Any]):
         large = [s for s in slots if s.reader is None and s.nbytes >= _PARALLEL_SLOT_BYTES]
         done: dict[int, Any] = {}
         if len(large) > 1:
-            from .pools import new_pool
+            from pytreeio.core.threads import new_pool
 
             with new_pool(min(_PARALLEL_SLOTS, len(large))) as pool:
                 for slot, arr in zip(large, pool.map(self._read, large), strict=True):
@@ -369,7 +375,7 @@ def open(
       ``verify=True`` refuses ``verify_crc=False``).
     * formats whose ``decode``/``slots`` take a ``verify`` option (bullet):
       it is passed on, with what it checks.
-    * the checkpoint's manifest (:mod:`pytreeio.checksum`), if it has one:
+    * the checkpoint's manifest (:mod:`pytreeio.integrity`), if it has one:
       every file is hashed when the view opens (read once, whole).
 
     A mismatch raises :class:`FormatError` naming the file, the tensor
@@ -393,15 +399,15 @@ def load_partial(
     options: Mapping[str, Any],
 ) -> Any:
     """``load(path, like, partial=True)``: the entries ``like`` names, reading only those where possible."""
-    fmt = api._format_for_load(path, format)
+    fmt = dispatch.format_for_load(path, format)
     if fmt.slots is not None:
         with Checkpoint(path, fmt, options) as ck:
             if not ck._needs_model(like):
                 return ck.load(like, partial=True)
     # model-shaped `like` (through to_model) or no slots: decode mapped, restore the subtree
-    _, native, meta = api._decode_path(path, fmt, True, options)
-    with api._errors_located(path), partial_restore(True):
-        result = api._restore(fmt, native, meta, like, options)
+    _, native, meta = dispatch.decode_path(path, fmt, True, options)
+    with dispatch.errors_located(path), partial_restore(True):
+        result = dispatch.restore_tree(fmt, native, meta, like, options)
     return result if mmap else map_leaves(_owned, result)
 
 
@@ -412,3 +418,15 @@ def _owned(leaf: Any) -> Any:
     if isinstance(leaf, np.ndarray) and not leaf.flags.writeable:
         return leaf.copy()
     return leaf
+
+
+def load_sliced(path: str | os.PathLike[str], like: Any, *, format: Any, options: Any) -> Any:
+    """``load(path, like)`` for a ``like`` with sharded leaves: each device's slice read on its
+    own through the format's slots; None when the format has none (or ``like`` is model-shaped)."""
+    fmt = dispatch.format_for_load(path, format)
+    if fmt.slots is None:
+        return None
+    with Checkpoint(path, fmt, options) as ck:
+        if ck._needs_model(like):
+            return None
+        return ck.load(like, partial=False)

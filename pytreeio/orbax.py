@@ -63,10 +63,13 @@ from typing import Any
 import orbax.checkpoint as ocp
 from orbax.checkpoint import future as ocp_future
 
-from . import api, async_save, io, registry, sharding
-from .errors import EncodeError, FormatError
-from .jsonsafe import loads as json_loads
-from .registry import Encoded, Format, Info
+from pytreeio import api, async_save, io
+from pytreeio.core import shards
+from pytreeio.core.errors import EncodeError, FormatError
+from pytreeio.core.records import Encoded, Format, Info
+from pytreeio.engine import dispatch
+from pytreeio.formats import registry
+from pytreeio.jsonsafe import loads as json_loads
 
 __all__ = [
     "METADATA_NAME",
@@ -168,7 +171,7 @@ def _host_ready(tree: Any) -> None:
                 "fully addressable arrays only (one file from the primary process)",
                 key_path=jax.tree_util.keystr(path),
             )
-    sharding.start_host_copies(tree)
+    shards.start_host_copies(tree)
 
 
 def _prepare(args: PytreeioSave) -> _Pending:
@@ -182,7 +185,7 @@ def _prepare(args: PytreeioSave) -> _Pending:
     _host_ready(args.item)
     # The destination recorded by formats that keep one (cl-waffe2) is the
     # item-relative name: the temporary directory orbax writes into is renamed.
-    encoded = api._encode(fmt, args.item, args.meta, dict(args.options), name)
+    encoded = dispatch.encode_tree(fmt, args.item, args.meta, dict(args.options), name)
     # the snapshot save_async takes: borrowed buffers copied, deferred chunks produced now
     return _Pending(fmt, name, async_save._snapshot(encoded), args.durable)
 
@@ -206,7 +209,7 @@ def _write(directory: Path, pending: _Pending) -> None:
     doc = json.dumps(record, indent=1).encode()
     io.write_file_atomic(directory / METADATA_NAME, Encoded(chunks=(doc,)), durable=pending.durable)
     _drop_locks(directory)
-    api._deliver_deferred(pending.encoded)
+    dispatch.deliver_deferred(pending.encoded)
 
 
 def _drop_locks(directory: Path) -> None:

@@ -43,20 +43,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         )
 
 
-@pytest.fixture(params=["numpy", "numba"])
-def kernel_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The test once on the numpy paths and once on the compiled kernels, at every size."""
-    from pytreeio import kernels
-
-    if request.param == "numpy":
-        monkeypatch.setenv("PYTREEIO_NO_NUMBA", "1")
-    else:
-        if not kernels.available():
-            pytest.skip("numba is not installed")
-        monkeypatch.setattr(kernels, "MIN_BYTES", 0)
-    return str(request.param)
-
-
 @pytest.fixture
 def conformance() -> Path:
     """The directory of real files written by the original systems."""
@@ -203,7 +189,7 @@ def trees(leaves: Any = None, *, namedtuples: bool = True) -> Any:
 @pytest.fixture
 def every_slot_streams(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small test tensors streamed too (normally slots under 64 KiB are read up front)."""
-    from pytreeio import conversion
+    from pytreeio.engine import conversion
 
     monkeypatch.setattr(conversion, "STREAM_MIN_BYTES", 0)
 

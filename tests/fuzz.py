@@ -131,9 +131,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO))
 
-from pytreeio import registry  # noqa: E402
-from pytreeio.binary import BufferSource  # noqa: E402
-from pytreeio.errors import PytreeioError  # noqa: E402
+from pytreeio.core import binary, records  # noqa: E402
+from pytreeio.core.binary import BufferSource  # noqa: E402
+from pytreeio.core.errors import PytreeioError  # noqa: E402
+from pytreeio.engine import dispatch  # noqa: E402
+from pytreeio.formats import registry  # noqa: E402
 
 __all__ = [
     "Field",
@@ -185,7 +187,7 @@ _TL_MAGIC = b"MLLT"
 
 
 def _tinyllama_fields(buf: bytes) -> list[Field]:
-    from pytreeio.fmt import tinyllama as tl
+    from pytreeio.formats import tinyllama as tl
 
     fields = [Field(o, 4, label=f"header@{o}") for o in range(4, 36, 4)]
     try:
@@ -630,7 +632,7 @@ def mutate_json(raw: bytes, rng: random.Random, depth: int = 0) -> tuple[bytes, 
         return _mutate_bytes(raw, rng)
     nodes = list(_nodes(doc))
     path, node = rng.choice(nodes)
-    # JSON held in a string (safetensors' pytreeio.tree): mutate inside it
+    # JSON held in a string (safetensors' pytreeio.core.tree): mutate inside it
     if isinstance(node, str) and node[:1] in ("{", "[") and depth < 2 and rng.random() < 0.6:
         inner, how = mutate_json(node.encode("utf-8", "surrogatepass"), rng, depth + 1)
         text = json.dumps(inner.decode("utf-8", "replace"))
@@ -1510,14 +1512,14 @@ def _where(exc: BaseException) -> str:
     return f"{tb[-1].filename}:{tb[-1].lineno} in {tb[-1].name}" if tb else "?"
 
 
-def placed(fmt: registry.Format, data: Input) -> tuple[Path, dict[Path, bytes]]:
+def placed(fmt: records.Format, data: Input) -> tuple[Path, dict[Path, bytes]]:
     """``(path, files)``: the input laid out where ``fmt``'s layout puts a checkpoint at
     ``path`` -- one file; a directory's members below it; each sibling role at the
     path its ``locate`` gives -- as an in-memory file system for
     :func:`pytreeio.io.probe_buffer`."""
     path = Path("/fuzz") / ("ckpt" + (fmt.suffixes[0] if fmt.suffixes else ""))
     files: dict[Path, bytes] = {}
-    if isinstance(fmt.layout, registry.Siblings):
+    if isinstance(fmt.layout, records.Siblings):
         assert isinstance(data, Mapping)
         located = fmt.layout.locate(path)
         files = {Path(located[role]): blob for role, blob in data.items() if role in located}
@@ -1533,7 +1535,7 @@ def placed(fmt: registry.Format, data: Input) -> tuple[Path, dict[Path, bytes]]:
     return path, files
 
 
-def _sniff_all(fmt: registry.Format, data: Input) -> registry.Format | None:
+def _sniff_all(fmt: records.Format, data: Input) -> records.Format | None:
     """The sniffing path of ``ptio.load(path)`` on the input as if it lay at a path.
 
     The input is placed in an in-memory file system (:func:`placed`), the
@@ -1547,7 +1549,7 @@ def _sniff_all(fmt: registry.Format, data: Input) -> registry.Format | None:
     from pytreeio import io
 
     path, files = placed(fmt, data)
-    probes: dict[registry.Layout, registry.Probe] = {}
+    probes: dict[records.Layout, records.Probe] = {}
     for other in [fmt, *(f for f in registry.iter_formats() if f is not fmt)]:
         if other.layout not in probes:
             probes[other.layout] = io.probe_buffer(path, files, other.layout)
@@ -1557,50 +1559,49 @@ def _sniff_all(fmt: registry.Format, data: Input) -> registry.Format | None:
     )
 
 
-def _verify(fmt: registry.Format, data: Input, native: Any, options: Mapping[str, Any]) -> None:
+def _verify(fmt: records.Format, data: Input, native: Any, options: Mapping[str, Any]) -> None:
     """What ``ptio.verify`` does beyond a plain decode, on the buffers.
 
     The decode with ``verify=True`` where the format declares it (safetensors:
     every per-tensor checksum; bullet: the quantised copy checked against
     ``raw.bin``), the manifest check when a directory input holds one
-    (:func:`pytreeio.checksum.check_manifest_buffers`), then the NaN/inf count
+    (:func:`pytreeio.integrity.check_manifest_buffers`), then the NaN/inf count
     of the decoded tree.
     """
-    from pytreeio import api, checksum
+    from pytreeio import integrity
 
     if "verify" in fmt.load_options:
-        native, _meta = api._call(
-            fmt.decode, fmt, {**options, "verify": True}, api._as_source(data)
+        native, _meta = dispatch.call(
+            fmt.decode, fmt, {**options, "verify": True}, dispatch.as_source(data)
         )
-    if isinstance(fmt.layout, registry.Directory) and isinstance(data, Mapping):
-        manifest = data.get(checksum.MANIFEST_NAME)
+    if isinstance(fmt.layout, records.Directory) and isinstance(data, Mapping):
+        manifest = data.get(integrity.MANIFEST_NAME)
         if manifest is not None:
-            files = {k: v for k, v in data.items() if k != checksum.MANIFEST_NAME}
-            checksum.check_manifest_buffers(manifest, files)
+            files = {k: v for k, v in data.items() if k != integrity.MANIFEST_NAME}
+            integrity.check_manifest_buffers(manifest, files)
     if native is not None:
-        checksum.nonfinite_counts(native)
+        integrity.nonfinite_counts(native)
 
 
-def _slots(fmt: registry.Format, data: Input, native: Any, options: Mapping[str, Any]) -> None:
+def _slots(fmt: records.Format, data: Input, native: Any, options: Mapping[str, Any]) -> None:
     """What ``ptio.open`` and streaming conversions do: ``slots``, then every slot read.
 
     Where ``decode`` accepted the input too, the slots must read back
-    ``decode``'s tree bit for bit (the :class:`pytreeio.registry.Slots`
+    ``decode``'s tree bit for bit (the :class:`pytreeio.core.binary.Slots`
     contract: in native byte order, where decode may keep a stored one); a
     difference is an AssertionError, so a failure.
     """
     import numpy as np
 
-    from pytreeio import api
-    from pytreeio.binary import BufferSource
-    from pytreeio.tree import flatten_named, map_leaves
+    from pytreeio.core.binary import BufferSource
+    from pytreeio.core.tree import flatten_named, map_leaves
 
     if isinstance(data, Mapping):
         source: Any = {k: BufferSource(v, name=k) for k, v in data.items()}
     else:
         source = BufferSource(data, name="input")
-    slots = api._call(fmt.slots, fmt, options, source)
-    read = map_leaves(lambda x: x.read(source) if isinstance(x, registry.Slot) else x, slots.tree)
+    slots = dispatch.call(fmt.slots, fmt, options, source)
+    read = map_leaves(lambda x: x.read(source) if isinstance(x, binary.Slot) else x, slots.tree)
     if native is None:
         return
     got, want = flatten_named(read), flatten_named(native)
@@ -1629,7 +1630,7 @@ STAGES = ("sniff", "decode", "inspect", "slots", "verify", "restore", "to_model"
 
 
 def _run_one(
-    fmt: registry.Format,
+    fmt: records.Format,
     data: Input,
     like: Any,
     deadline: float,
@@ -1645,7 +1646,7 @@ def _run_one(
     so load(like=) is covered without decoding twice); ``inspect`` is
     ``pytreeio.api.inspect_buffer``; ``verify`` is :func:`_verify`; ``to_model``
     restores into the seed's model as flax variables (``load(like=flax tree)``:
-    the format's ``to_model`` then :func:`pytreeio.model.restore_model`) for
+    the format's ``to_model`` then :func:`pytreeio.model.form.restore_model`) for
     model formats, else calls ``to_model``.
     """
     from pytreeio import api
@@ -1671,7 +1672,7 @@ def _run_one(
                 if stage == "sniff":
                     _sniff_all(fmt, data)
                 elif stage == "decode":
-                    native, meta = api._call(fmt.decode, fmt, opts, api._as_source(data))
+                    native, meta = dispatch.call(fmt.decode, fmt, opts, dispatch.as_source(data))
                 elif stage == "inspect":
                     api.inspect_buffer(data, fmt)
                 elif stage == "slots":
@@ -1680,13 +1681,13 @@ def _run_one(
                     _verify(fmt, data, native, opts)
                 elif stage == "restore":
                     assert meta is not None
-                    api._restore(fmt, native, meta, like, opts)
+                    dispatch.restore_tree(fmt, native, meta, like, opts)
                 elif model_like is not None:
                     assert meta is not None
-                    api._restore(fmt, native, meta, model_like, opts)
+                    dispatch.restore_tree(fmt, native, meta, model_like, opts)
                 else:
                     to_model: Any = fmt.to_model
-                    api._call(to_model, fmt, opts, native, meta)
+                    dispatch.call(to_model, fmt, opts, native, meta)
         except _Timeout as exc:
             yield stage, exc
             return
@@ -1711,22 +1712,21 @@ def time_bound(size: int) -> float:
     return TIME_BASE + size * TIME_PER_BYTE
 
 
-def _model_like(fmt: registry.Format, native: Any, meta: dict[str, Any], options: Any) -> Any:
+def _model_like(fmt: records.Format, native: Any, meta: dict[str, Any], options: Any) -> Any:
     """The seed's model as flax variables (a ``like`` for model restores), or None."""
-    from pytreeio import api
-    from pytreeio.model import flax_variables
+    from pytreeio.model.form import flax_variables
 
     if not fmt.is_model_format or fmt.to_model is None:
         return None
     try:
-        model = api._call(fmt.to_model, fmt, options, native, meta)
+        model = dispatch.call(fmt.to_model, fmt, options, native, meta)
         return _host(flax_variables(model))
     except PytreeioError:
         return None
 
 
 def fuzz_format(
-    fmt_name: str | registry.Format,
+    fmt_name: str | records.Format,
     seeds: Sequence[Input | Seed],
     n: int,
     rng_seed: int,
@@ -1840,7 +1840,7 @@ class _PeakRss:
 
 
 def _fuzz_one(
-    fmt: registry.Format,
+    fmt: records.Format,
     report: FuzzReport,
     index: int,
     data: Input,
@@ -1927,7 +1927,7 @@ def _f32(rng: np.random.Generator, *shape: int) -> np.ndarray:
 
 
 def _msgpack_seeds(rng: np.random.Generator) -> list[Input]:
-    from pytreeio.fmt import msgpack as m
+    from pytreeio.formats import msgpack as m
 
     trees: list[Any] = [
         {"params": {"w": _f32(rng, 2, 3), "b": _f32(rng, 3)}, "step": 3, "lr": 0.5, "on": True},
@@ -1941,7 +1941,7 @@ def _msgpack_seeds(rng: np.random.Generator) -> list[Input]:
 def _safetensors_seeds(rng: np.random.Generator) -> list[Input]:
     import collections
 
-    from pytreeio.fmt import safetensors as st
+    from pytreeio.formats import safetensors as st
 
     P = collections.namedtuple("P", ["mu", "nu"])
     tree = {
@@ -1963,7 +1963,7 @@ def _safetensors_seeds(rng: np.random.Generator) -> list[Input]:
 
 
 def _tinyllama_seeds(rng: np.random.Generator, conformance: Path | None = None) -> list[Input]:
-    from pytreeio.fmt import tinyllama as tl
+    from pytreeio.formats import tinyllama as tl
 
     cfg = {
         "d_model": 4,
@@ -2000,10 +2000,10 @@ def _netcl_seeds(name: str, rng: np.random.Generator) -> list[Input]:
         {"weight": _f32(rng, 8, 3), "bias": _f32(rng, 3)},
     ]
     if name == "netcl":
-        from pytreeio.fmt import netcl
+        from pytreeio.formats.netcl import model_file as netcl
 
         return [_files(netcl.MODEL.encode(mlp, meta={"config": ["Linear", "ReLU", "Linear"]}))]
-    from pytreeio.fmt import netcl_checkpoint as nck
+    from pytreeio.formats.netcl import checkpoint as nck
 
     params = {"p0": _f32(rng, 4, 8), "p1": _f32(rng, 8)}
     if name == "netcl-params":
@@ -2025,7 +2025,7 @@ def _netcl_seeds(name: str, rng: np.random.Generator) -> list[Input]:
 def _datacode_seeds(
     rng: np.random.Generator, conformance: Path | None = None
 ) -> list[Input | Seed]:
-    from pytreeio.fmt import datacode as dc
+    from pytreeio.formats.datacode import nn as dc
 
     native = {
         "layer0": {"weight": _f32(rng, 4, 3), "bias": _f32(rng, 3)},
@@ -2044,22 +2044,22 @@ def _datacode_seeds(
 
 def _with_manifest(fmt_name: str, files: Mapping[str, bytes]) -> dict[str, bytes]:
     """A directory checkpoint with the manifest ``pytreeio checksum`` would write into it."""
-    from pytreeio import checksum
+    from pytreeio import integrity
 
     entries = {
-        name: {"size": len(blob), checksum.ALGORITHM: checksum.buffer_checksum(blob)}
+        name: {"size": len(blob), integrity.ALGORITHM: integrity.buffer_checksum(blob)}
         for name, blob in files.items()
     }
     doc = {
-        "pytreeio-sum": checksum.MANIFEST_VERSION,
-        "algorithm": checksum.ALGORITHM,
+        "pytreeio-sum": integrity.MANIFEST_VERSION,
+        "algorithm": integrity.ALGORITHM,
         "format": fmt_name,
         "layout": "dir",
         "written": "2024-01-01T00:00:00Z",
         "files": entries,
     }
     text = json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
-    return {**files, checksum.MANIFEST_NAME: text}
+    return {**files, integrity.MANIFEST_NAME: text}
 
 
 def _directory(path: Path) -> dict[str, bytes]:
@@ -2072,7 +2072,7 @@ def _directory(path: Path) -> dict[str, bytes]:
 
 
 def _waffe2_seeds(rng: np.random.Generator, conformance: Path | None = None) -> list[Input | Seed]:
-    from pytreeio.fmt import waffe2
+    from pytreeio.formats.waffe2 import state_dict as waffe2
 
     root = (conformance or CONFORMANCE) / "waffe2"
     seeds: list[Input | Seed] = [_directory(d) for d in sorted(root.glob("*.wf2model"))]
@@ -2120,7 +2120,7 @@ def _records_old(buf: bytes, shapes: Mapping[bytes, tuple[int, int]]) -> bytes:
 
 
 def _bullet_seeds(rng: np.random.Generator) -> list[Input | Seed]:
-    from pytreeio.fmt import bullet
+    from pytreeio.formats.bullet import checkpoint as bullet
 
     w = {"l0w": _f32(rng, 6, 4), "l0b": _f32(rng, 4), "l1w": _f32(rng, 4, 2), "l1b": _f32(rng, 2)}
     moments = {

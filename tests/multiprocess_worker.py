@@ -7,7 +7,7 @@ Run by :mod:`tests.test_sharding` (and ``nox -s multiprocess``) as::
 
 Both processes build the same global arrays over a 2 x 2 mesh (processes x
 local devices) with ``jax.make_array_from_callback``, save them into one file
-with :func:`pytreeio.sharding.save_in_parts`, and load them back with sharded
+with :func:`pytreeio.multihost.save_in_parts`, and load them back with sharded
 ``like`` leaves.  Each process prints one JSON line per format starting with ``RESULT``: the
 bytes it read from the file (``read``), the bytes of the distinct slices it
 holds (``held``) and the header's size (``header``, safetensors).  Process 0
@@ -94,10 +94,10 @@ def check(
     from jax.sharding import NamedSharding
 
     import pytreeio as ptio
-    from pytreeio import io, sharding
+    from pytreeio import io, multihost
 
     dest = directory / f"ckpt.{fmt}"
-    sharding.save_in_parts(dest, tree, fmt, coordinator=sharding.JaxCoordinator())
+    multihost.save_in_parts(dest, tree, fmt, coordinator=multihost.JaxCoordinator())
 
     if process_id == 0:
         whole = {**host, "step": 7, "bias": tree["bias"]}

@@ -156,7 +156,7 @@ def assert_placed(result: Any, value: np.ndarray, sharding: Any) -> None:
 def save_bytes_identical(tmp: Path) -> None:
     """Every layout, every format option: the same bytes as saving the numpy values."""
     import pytreeio as ptio
-    from pytreeio import sharding
+    from pytreeio.core import shards
 
     sharded, whole = trees()
     runs = [
@@ -165,13 +165,13 @@ def save_bytes_identical(tmp: Path) -> None:
         ("msgpack", {}),
         ("msgpack", {"chunk_bytes": 100}),  # flax's chunked arrays, cut inside bands
     ]
-    default = sharding.BAND_BYTES
+    default = shards.BAND_BYTES
     for band in (default, 64):  # 64: bands of a few rows, assembled across shards
-        sharding.BAND_BYTES = band
+        shards.BAND_BYTES = band
         try:
             check_runs(tmp, sharded, whole, runs, band)
         finally:
-            sharding.BAND_BYTES = default
+            shards.BAND_BYTES = default
     ptio.verify(tmp / "sharded.safetensors")  # the checksums recorded from the bands hold
 
 
@@ -197,7 +197,7 @@ def save_streams_shard_buffers(tmp: Path) -> None:
     import jax
 
     import pytreeio as ptio
-    from pytreeio.sharding import ShardChunk
+    from pytreeio.core.shards import ShardChunk
 
     value = host_value((64, 256), np.float32, 1)
     arr = jax.device_put(value, named((("x", "y"),)))
@@ -301,7 +301,7 @@ def load_mismatch_names_key(tmp: Path) -> None:
     import jax
 
     import pytreeio as ptio
-    from pytreeio.errors import MismatchError
+    from pytreeio.core.errors import MismatchError
 
     value = host_value((64, 48), np.float32, 4)
     ptio.save(tmp / "m.safetensors", {"params": {"w": value}})
@@ -324,7 +324,7 @@ def save_async_snapshots_shards(tmp: Path) -> None:
     import jax
 
     import pytreeio as ptio
-    from pytreeio.registry import Deferred
+    from pytreeio.core.binary import Deferred
 
     for fmt in ("safetensors", "msgpack"):
         sharded, whole = trees()
@@ -352,8 +352,8 @@ def threads_save_in_parts(tmp: Path) -> None:
     import jax
 
     import pytreeio as ptio
-    from pytreeio import sharding
-    from pytreeio.errors import PytreeioError
+    from pytreeio import multihost
+    from pytreeio.core.errors import PytreeioError
 
     sharded, whole = trees()
     devices = jax.devices()
@@ -363,7 +363,7 @@ def threads_save_in_parts(tmp: Path) -> None:
         ptio.save(tmp / f"w.{fmt}", whole, fmt)
         written = run_threads(
             2,
-            lambda coord, dest=dest, fmt=fmt: sharding.save_in_parts(
+            lambda coord, dest=dest, fmt=fmt: multihost.save_in_parts(
                 dest, sharded, fmt, coordinator=coord
             ),
             halves,
@@ -380,7 +380,7 @@ def threads_save_in_parts(tmp: Path) -> None:
     bad = {**sharded, "meta": {"oops": object()}}
     results = run_threads(
         2,
-        lambda coord: sharding.save_in_parts(
+        lambda coord: multihost.save_in_parts(
             tmp / "p.safetensors",
             bad if coord.process_index == 1 else sharded,
             coordinator=coord,
@@ -389,7 +389,7 @@ def threads_save_in_parts(tmp: Path) -> None:
         **LIMITS,
     )
     for r in results:
-        assert isinstance(r, sharding.PartsError), r
+        assert isinstance(r, multihost.PartsError), r
         assert "process 1" in str(r) and "EncodeError" in str(r), str(r)
         assert isinstance(r, PytreeioError)
     assert (tmp / "p.safetensors").read_bytes() == before
@@ -398,7 +398,7 @@ def threads_save_in_parts(tmp: Path) -> None:
     other = {**sharded, "rows": jax.device_put(np.zeros((64, 40), np.float32), named(("x",)))}
     results = run_threads(
         2,
-        lambda coord: sharding.save_in_parts(
+        lambda coord: multihost.save_in_parts(
             tmp / "p.safetensors",
             other if coord.process_index == 1 else sharded,
             coordinator=coord,
@@ -406,7 +406,7 @@ def threads_save_in_parts(tmp: Path) -> None:
         halves,
         **LIMITS,
     )
-    assert all(isinstance(r, sharding.PartsError) and "layout" in str(r) for r in results)
+    assert all(isinstance(r, multihost.PartsError) and "layout" in str(r) for r in results)
     assert (tmp / "p.safetensors").read_bytes() == before
 
 

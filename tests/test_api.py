@@ -42,7 +42,7 @@ def test_unknown_and_ambiguous_formats(tmp_path: Path) -> None:
 def test_formats_lists_the_builtins_and_stays_callable() -> None:
     names = set(ptio.formats())
     assert {"msgpack", "safetensors"} <= names
-    import pytreeio.fmt.msgpack  # noqa: F401  (importing a format module must not shadow the function)
+    import pytreeio.formats.msgpack  # noqa: F401  (importing a format module must not shadow the function)
 
     assert callable(ptio.formats) and set(ptio.formats()) == names
 
@@ -163,7 +163,7 @@ def test_sniffing_does_not_depend_on_import_order(tmp_path: Path) -> None:
         pytest.fail("no header length in the msgpack map range found")
     path = tmp_path / "x.safetensors"
     path.write_bytes(blob)
-    import pytreeio.fmt.msgpack  # noqa: F401
+    import pytreeio.formats.msgpack  # noqa: F401
 
     assert ptio.inspect(path).format == "safetensors"
 

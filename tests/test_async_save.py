@@ -262,9 +262,10 @@ def test_snapshot_copied_in_blocks_on_the_pool(
 def test_deferred_chunks_are_produced_before_returning(tmp_path: Path) -> None:
     """Streamed leaves (read from an open file when written) and safetensors' late header:
     the file is ``save``'s, bit for bit, although the source changes right after the call."""
-    from pytreeio.fmt import safetensors
-    from pytreeio.registry import FILE, Deferred, Slot, Streamed
-    from pytreeio.tree import map_leaves
+    from pytreeio.core.binary import Deferred, Slot, Streamed
+    from pytreeio.core.records import FILE
+    from pytreeio.core.tree import map_leaves
+    from pytreeio.formats import safetensors
 
     tree = _tree(5)
     src_path = tmp_path / "src.safetensors"
@@ -297,10 +298,10 @@ def test_deferred_chunks_are_produced_before_returning(tmp_path: Path) -> None:
 
 
 def test_snapshot_of_a_deferred_chunk_of_the_wrong_size_is_an_encode_error() -> None:
-    from pytreeio.registry import Deferred
+    from pytreeio.core.binary import Deferred
 
     bad = ptio.Encoded(chunks=(b"head", Deferred(5, lambda: b"four")))
-    with pytest.raises(ptio.errors.EncodeError, match="4 bytes where 5"):
+    with pytest.raises(ptio.EncodeError, match="4 bytes where 5"):
         async_save._snapshot(bad)
     assert async_save.pending_bytes() == 0
 
@@ -380,7 +381,7 @@ def test_a_snapshot_larger_than_the_bound_waits_until_nothing_is_pending(
 def test_failed_writes_and_encodings_release_their_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with pytest.raises(ptio.errors.EncodeError):
+    with pytest.raises(ptio.EncodeError):
         ptio.save_async(tmp_path / "bad.msgpack", {"x": object()})
     fut = ptio.save_async(tmp_path / "missing" / "a.msgpack", {"x": np.ones(1000)})
     with pytest.raises(OSError):
@@ -394,14 +395,6 @@ def test_max_pending_bytes_is_checked(tmp_path: Path, bad: Any) -> None:
     with pytest.raises(ValueError, match="max_pending_bytes"):
         ptio.save_async(tmp_path / "a.msgpack", {"x": np.ones(3)}, max_pending_bytes=bad)
     assert not (tmp_path / "a.msgpack").exists()
-
-
-def _lazy_crc(chunks: Any) -> Any:
-    """crc32_start that hashes only when waited for: a pool that has not got to it yet."""
-    from pytreeio import crc
-
-    views = list(chunks)
-    return lambda: crc.crc32(b"".join(bytes(v) for v in views))
 
 
 @pytest.mark.parametrize(
@@ -418,19 +411,20 @@ def test_checksums_taken_on_other_threads_are_of_the_snapshot(
     # A header recording checksums is written after the data, the checksums taken on pool
     # threads meanwhile. Such headers are made before save_async returns: hashed any later,
     # they would hash arrays the caller has changed since (a file that fails its own check).
-    from pytreeio import checksum, crc
-    from pytreeio.fmt import safetensors as st
+    from pytreeio.core import digest
+    from pytreeio.formats import safetensors as st
 
-    monkeypatch.setattr(crc, "crc32_start", _lazy_crc)
     monkeypatch.setattr(st, "_HASH_WHILE_WRITING", 0)
-    real_background = checksum.checksums_in_background
+    real_background = digest.checksums_in_background
     monkeypatch.setattr(  # hashed only when waited for
-        checksum,
+        digest,
         "checksums_in_background",
-        lambda arrays: lambda: {name: checksum.array_checksum(a) for name, a in arrays},
+        lambda arrays: lambda: {name: digest.array_checksum(a) for name, a in arrays},
     )
-    assert real_background is not checksum.checksums_in_background
-    monkeypatch.setattr("pytreeio.zip.OVERLAP_MIN", 0)  # every member hashed while written
+    assert real_background is not digest.checksums_in_background
+    monkeypatch.setattr(
+        "pytreeio.containers.zip.OVERLAP_MIN", 0
+    )  # every member hashed while written
     kernel = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
     tree = {"params": {"Dense_0": {"kernel": kernel, "bias": np.ones(48, np.float32)}}}
     want = {"params": {"Dense_0": {k: np.array(v) for k, v in tree["params"]["Dense_0"].items()}}}

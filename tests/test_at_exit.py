@@ -2,7 +2,7 @@
 
 Once the interpreter has begun to exit, ``concurrent.futures`` refuses new
 jobs and its executor module cannot even be imported; pytreeio's pools then
-run their jobs on the calling thread (``pytreeio.pools``), so a program that
+run their jobs on the calling thread (``pytreeio.core.threads``), so a program that
 saves its last checkpoint on the way out still gets it.  Each case runs in a
 fresh interpreter whose first use of pytreeio's pools is in the handler.
 """
@@ -78,7 +78,7 @@ def test_a_last_checkpoint_saved_at_exit(tmp_path: Path, fmt: str, name: str) ->
 def test_pools_run_jobs_on_the_caller_once_exiting(monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    from pytreeio import pools
+    from pytreeio.core import threads as pools
 
     monkeypatch.setattr(pools, "exiting", lambda: True)
     lazy = pools.LazyPool("pytreeio-test-exit")
@@ -92,17 +92,18 @@ def test_pools_run_jobs_on_the_caller_once_exiting(monkeypatch: pytest.MonkeyPat
     assert lazy._pool is None  # nothing kept: a pool made before the exit is used as ever
 
 
-def test_bands_without_a_producer_thread_are_computed_by_the_taker(
+def test_quantisation_blocks_run_on_the_caller_once_exiting(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Python 3.12 starts no thread from an atexit handler: the writer computes every band
-    from pytreeio import pools, quant_host
+    # Python 3.12 starts no thread from an atexit handler: the caller computes every block
+    from pytreeio.core import quant
+    from pytreeio.core import threads as pools
 
-    monkeypatch.setattr(pools, "exiting", lambda: True)
-    assert pools.start_daemon(lambda: None, "pytreeio-test") is None
+    monkeypatch.setattr(quant, "BLOCK", 4096)
     x = np.random.default_rng(2).uniform(-100, 100, (300, 70)).astype(np.float32)
-    want = quant_host.quantise(x, 255, np.dtype("<i2"), round_=True, checked=True)[0]
-    jobs = [quant_host.BandJob(x, 255, np.dtype("<i2"), True, False)]
-    bands = quant_host.Bands(jobs, band_bytes=4096, ahead_bytes=8192)
-    got = b"".join(bytes(bands.take(b)) for b in bands.of_job[0])
-    assert got == want.tobytes()
+    want = quant.quantise(x, 255, "i16", round=True, transpose=True)
+    monkeypatch.setattr(pools, "exiting", lambda: True)
+    monkeypatch.setattr(pools, "_POOL", pools.LazyPool("pytreeio-test-exit"))
+    got = quant.quantise(x, 255, "i16", round=True, transpose=True)
+    assert got.tobytes() == want.tobytes()
+    assert pools._POOL._pool is None  # no pool was made: every job ran on the caller

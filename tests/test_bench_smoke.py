@@ -1,8 +1,9 @@
-"""The benchmark suite runs end to end at a tiny size and writes valid results.
+"""The benchmark suite runs end to end (``--quick``) and writes valid results.
 
 No timing is asserted (the numbers of a 1 MB run mean nothing); what is
-checked is that every section the filter selects ran, produced numbers where
-numbers belong, rendered its table, and wrote JSON that parses back.
+checked is that every section ran in fresh processes for both sides (this
+working tree given as ``--old`` too), produced numbers where numbers belong,
+rendered its tables, and wrote JSON that parses back.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent / "bench"
+REPO = BENCH.parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -28,57 +30,41 @@ def bench_all():  # type: ignore[no-untyped-def]
         sys.path.remove(str(BENCH))
 
 
-def test_tiny_run_writes_json_and_markdown(bench_all, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_quick_run_writes_json_and_markdown(bench_all, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "results"
-    results = bench_all.main(
-        [
-            "--size", "1",
-            "--repeat", "1",
-            "--leaves", "50",
-            "--inspect-size", "2",
-            "--only", "msgpack|bullet quantised",
-            "--out", str(out),
-            "--dir", str(tmp_path),
-        ]
-    )  # fmt: skip
+    argv = ["--quick", "--only", "^msgpack$|safetensors.numpy", "--old", str(REPO)]
+    results = bench_all.main([*argv, "--out", str(out), "--dir", str(tmp_path)])
     data = json.loads((out / "latest.json").read_text())
-    assert data["machine"]["cores"] >= 1 and data["machine"]["date"]
-    assert data["config"]["leaves"] == 64
-
-    rows = {r["name"]: r for r in data["throughput"]["rows"]}
-    assert {"pytreeio msgpack", "pytreeio bullet quantised"} <= set(rows)
-    assert not any(name.startswith("pytreeio safetensors") for name in rows)  # filtered out
-    for name in ("pytreeio msgpack", "pytreeio bullet quantised"):
-        row = rows[name]
-        assert row["bytes"] > 1 << 20
-        for key in ("save", "load", "load_like"):
-            assert math.isfinite(row[key]["best"]) and row[key]["best"] > 0, (name, key)
-        assert row["verdict"] == "PASS" or row["verdict"].startswith("MISS")
-    # bullet's load reads only the tagged records: the raw baseline reads the same bytes
-    bq = rows["pytreeio bullet quantised"]
-    assert bq["bytes_load_reads"] < bq["bytes"]
-
-    durable = {r["name"] for r in data["durable"]}
-    assert "pytreeio msgpack" in durable
-
-    per_leaf = {r["name"]: r for r in data["per_leaf"]["rows"]}
-    assert per_leaf["pytreeio msgpack"]["save"] > 0 and per_leaf["pytreeio msgpack"]["load"] > 0
-
-    memory = [r for r in data["memory"] if r["name"] == "pytreeio msgpack"]
-    assert {r["op"] for r in memory} >= {"save", "load", "convert to safetensors"}
-    for r in memory:
-        assert "error" not in r, r
-        assert r["added"] >= 0
-        assert r["verdict"] == "PASS" or r["verdict"].startswith("MISS")
-
-    inspected = [r for r in data["misc"] if r["name"].startswith("inspect ")]
-    assert {r["name"].split(" (")[0] for r in inspected} == {
-        "inspect msgpack",
-        "inspect bullet quantised",
-    }
-    assert all(r["seconds"] > 0 for r in inspected)
-    md = (out / "latest.md").read_text()
-    assert "| pytreeio msgpack | file |" in md and "### Peak memory" in md
-    assert results["config"] == data["config"]
     assert not data["errors"], data["errors"]
+    assert data["machine"]["nproc"] >= 1 and data["machine"]["cpu"]
+    assert set(data["sides"]) == {"old", "new"}
+    assert data["config"]["cases"] == ["msgpack"] and data["config"]["page_cache"] == ["warm"]
+
+    loads = {r["case"]: r for r in data["loads"]}
+    assert set(loads) == {"msgpack", "peer safetensors.numpy"}
+    for side in ("old", "new"):
+        entry = loads["msgpack"][side]
+        assert math.isfinite(entry["best"]) and entry["best"] > 0
+        assert entry["ratio"] > 0 and entry["verdict"].startswith(("PASS", "MISS"))
+    assert loads["msgpack"]["raw_best"] > 0 and loads["msgpack"]["bytes_read"] > 1 << 19
+    assert loads["peer safetensors.numpy"]["peer"]["best"] > 0
+
+    memory = {r["case"]: r for r in data["memory"]}
+    assert memory["msgpack"]["tree"] > 1 << 19
+    assert all(memory["msgpack"][s]["added"] >= 0 for s in ("old", "new"))
+
+    saves = {r["case"]: r for r in data["saves"]}
+    assert set(saves) == {"msgpack", "msgpack (durable)"}
+    for row in saves.values():
+        assert row["raw_best"] > 0 and row["old"]["best"] > 0 and row["new"]["best"] > 0
+
+    per_tensor = {r["case"]: r for r in data["per_tensor"]}
+    assert per_tensor["msgpack"]["tensors"] == 100
+    assert per_tensor["msgpack"]["reference_us"] > 0 and per_tensor["msgpack"]["new"]["us"] > 0
+
+    md = (out / "latest.md").read_text()
+    for heading in ("### Cold loads", "### Peak memory", "### Saves", "### First load per tensor"):
+        assert heading in md
+    assert "| msgpack | file | warm |" in md
+    assert results["config"] == data["config"]
     assert not any(tmp_path.glob("pytreeio-bench-*")), "the work directory was left behind"

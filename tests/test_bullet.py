@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given
 
 import pytreeio as ptio
-from pytreeio import quant
-from pytreeio.binary import BufferSource
-from pytreeio.errors import (
+from pytreeio.core import quant
+from pytreeio.core.binary import BufferSource
+from pytreeio.core.errors import (
     ConversionError,
     EncodeError,
     FormatError,
@@ -29,9 +29,9 @@ from pytreeio.errors import (
     PytreeioWarning,
     QuantisationError,
 )
-from pytreeio.fmt import bullet as B
-from pytreeio.model import Layer, Model, model_of, restore_model
-from pytreeio.registry import Probe
+from pytreeio.core.records import Probe
+from pytreeio.formats.bullet import checkpoint as B
+from pytreeio.model.form import Layer, Model, model_of, restore_model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 QA, QB = 255, 64
@@ -183,17 +183,14 @@ def test_spot_values_in_quantised_bin(rnd: bool, want: list[int]) -> None:
     assert np.frombuffer(q, "<i2", count=3).tolist() == want
 
 
-@pytest.mark.usefixtures("kernel_backend")
 @pytest.mark.parametrize("transposed", [(), (0,), (0, 1)])
-@pytest.mark.parametrize("band_bytes", [64, 3000, 1 << 20])
-def test_quantised_bin_in_bands(
-    transposed: tuple[int, ...], band_bytes: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+@pytest.mark.parametrize("block", [64, 3000, 1 << 20])
+def test_quantised_bin_in_blocks(
+    transposed: tuple[int, ...], block: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """quantised.bin computed in bands ahead of the writer: the bytes of whole-array quantisation."""
-    from pytreeio import quant_host
-
-    monkeypatch.setattr(quant_host, "BAND_BYTES", band_bytes)
-    monkeypatch.setattr(quant_host, "AHEAD_BYTES", 4 * band_bytes)
+    """quantised.bin computed in host blocks ahead of the writer: the bytes of whole-array quantisation."""
+    monkeypatch.setattr(quant, "BLOCK", block)
+    monkeypatch.setattr(quant, "_MIN_BLOCK", 16)
     w = net(WORKED, seed=7)
     layout = B.classic_layout(
         [QA, QB], types=[("i16", "i32"), ("i8", "i32")], transposed=transposed
@@ -819,7 +816,7 @@ def test_flax_mlp_converts_to_bullet_and_back() -> None:
 def test_exact_resume_through_bullet(rule: str) -> None:
     import optax
 
-    from pytreeio.rules.bullet import bullet_adamw
+    from pytreeio.model.rules.bullet import bullet_adamw
 
     model, params, x, y = flax_mlp()
     tx = optax.adamw(1e-2, weight_decay=1e-3) if rule == "optax_adamw" else bullet_adamw(0.01)
@@ -1008,3 +1005,36 @@ def test_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: A
         < float(out.split("bound ")[1].split()[0])
     )
     assert (tmp_path / "nnue-10" / "quantised.bin").stat().st_size % 64 == 0
+
+
+def test_a_load_reads_raw_bin_only_to_compare_it() -> None:
+    """raw.bin's and quantised.bin's data are not what a load returns: their sizes and the
+    padding are checked through ranged reads; verify (check_quantised) reads them whole."""
+    sf = B.classic_layout([QA, QB])
+    buffers = files(B.encode({"weights": net([(32, 8), (8, 1)])}, meta={"saved_format": sf}))
+    ranged: dict[str, list[tuple[int, int]]] = {}
+
+    class Counted(BufferSource):
+        def _read(self, offset: int, n: int) -> memoryview:
+            ranged[self.name].append((offset, n))
+            return super()._read(offset, n)
+
+    class Files(dict):  # type: ignore[type-arg]
+        def __getitem__(self, name: str) -> Any:
+            assert name not in (B.RAW, B.QUANTISED), f"{name} read whole"
+            return super().__getitem__(name)
+
+        def ranges(self, name: str) -> Any:
+            ranged[name] = []
+            return contextlib.nullcontext(Counted(dict.__getitem__(self, name), name=name))
+
+    native, meta = B.decode(Files(buffers), saved_format=sf)
+    q_size = len(buffers[B.QUANTISED])
+    assert ranged[B.RAW] == [] and 0 < sum(n for _, n in ranged[B.QUANTISED]) < B.ALIGN
+    assert all(q_size - B.ALIGN < at for at, _ in ranged[B.QUANTISED])  # the padding only
+    want = B.decode(buffers, saved_format=sf)
+    assert_trees_equal(native, want.tree)
+    assert meta == want.meta
+    B.decode(Files(buffers), saved_format=sf, check_quantised=True)
+    assert (0, len(buffers[B.RAW])) in ranged[B.RAW]  # compared: read whole
+    assert "quantisation_error" in B.decode(buffers, saved_format=sf, verify=True).meta

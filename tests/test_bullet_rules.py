@@ -8,8 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from pytreeio import optim
-from pytreeio.rules.bullet import EPSILON, bullet_adamw
+from pytreeio.model import optim
+from pytreeio.model.rules.bullet import EPSILON, bullet_adamw
 
 F32 = np.float32
 

@@ -13,8 +13,8 @@ import safetensors.numpy
 from model_data import MLP_LAYERS, mlp_params
 
 import pytreeio as ptio
-from pytreeio import checksum, cli
-from pytreeio.errors import FormatError
+from pytreeio import cli, integrity
+from pytreeio.core.errors import FormatError
 
 LAYERS = MLP_LAYERS
 
@@ -116,7 +116,7 @@ def test_safetensors_package_files_load_and_verify(tmp_path: Path) -> None:
 def test_nonfinite_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import ml_dtypes
 
-    monkeypatch.setattr(checksum, "CHUNK_ELEMENTS", 3)  # several chunks per tensor
+    monkeypatch.setattr(integrity, "CHUNK_ELEMENTS", 3)  # several chunks per tensor
     x = np.zeros(10, np.float32)
     x[[1, 5, 9]] = [np.nan, np.inf, -np.inf]
     bf = np.array([np.nan, 1, np.nan], ml_dtypes.bfloat16)
@@ -129,7 +129,7 @@ def test_nonfinite_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         "bf": {"nan": 2, "inf": 0},
         "s": {"nan": 1, "inf": 0},
     }
-    assert checksum.nonfinite_counts({"a": [1.0, 2]}) == {}
+    assert integrity.nonfinite_counts({"a": [1.0, 2]}) == {}
 
 
 def test_nonfinite_report_other_formats(tmp_path: Path) -> None:
@@ -150,13 +150,13 @@ def test_nonfinite_report_other_formats(tmp_path: Path) -> None:
 def test_manifest_single_file(tmp_path: Path, conformance: Path) -> None:
     path = tmp_path / "weights.bin"
     shutil.copy(conformance / "tinyllama" / "weights.bin", path)
-    assert not checksum.check_manifest(path, "tinyllama")  # none yet
-    where = checksum.write_manifest(path, format="tinyllama")
+    assert not integrity.check_manifest(path, "tinyllama")  # none yet
+    where = integrity.write_manifest(path, format="tinyllama")
     assert where == tmp_path / "weights.bin.pytreeio-sum.json"
     doc = json.loads(where.read_text())
     assert doc["format"] == "tinyllama"
     assert doc["files"]["weights.bin"]["size"] == path.stat().st_size
-    assert checksum.check_manifest(path)
+    assert integrity.check_manifest(path)
     ptio.verify(path, format="tinyllama")
     ptio.load(path, format="tinyllama", verify=True)
     # the original system's file is untouched; the sidecar is a sibling
@@ -176,26 +176,26 @@ def test_manifest_stale_after_resave(tmp_path: Path, conformance: Path) -> None:
     src = conformance / "tinyllama" / "weights.bin"
     path = tmp_path / "weights.bin"
     shutil.copy(src, path)
-    checksum.write_manifest(path)
+    integrity.write_manifest(path)
     # a re-save of different content leaves the sidecar stale
     native, meta = ptio.load_with_meta(path, format="tinyllama")
     native["output"] = np.asarray(native["output"]) + 1
     ptio.save(path, native, format="tinyllama", meta=meta)
     with pytest.raises(FormatError, match="changed since"):
         ptio.verify(path, format="tinyllama")
-    checksum.write_manifest(path)  # rewritten: clean again
+    integrity.write_manifest(path)  # rewritten: clean again
     ptio.verify(path, format="tinyllama")
 
 
 def test_manifest_truncated_file(tmp_path: Path) -> None:
     path = tmp_path / "x.safetensors"
     ptio.save(path, _tree(), checksum=False)
-    checksum.write_manifest(path)
+    integrity.write_manifest(path)
     path.write_bytes(path.read_bytes()[:-1])
     with pytest.raises(FormatError):
         ptio.verify(path)
     with pytest.raises(FormatError, match="recorded"):
-        checksum.check_manifest(path, "safetensors")
+        integrity.check_manifest(path, "safetensors")
 
 
 def test_manifest_follows_symlink(tmp_path: Path) -> None:
@@ -203,16 +203,16 @@ def test_manifest_follows_symlink(tmp_path: Path) -> None:
     ptio.save(real, _tree())
     link = tmp_path / "latest.safetensors"
     link.symlink_to(real.name)
-    where = checksum.write_manifest(link)
+    where = integrity.write_manifest(link)
     assert where == tmp_path / "ckpt_1.safetensors.pytreeio-sum.json"
-    assert checksum.check_manifest(real)
+    assert integrity.check_manifest(real)
 
 
 @pytest.mark.parametrize("fmt", ["waffe2", "bullet"])
 def test_manifest_directory(tmp_path: Path, fmt: str) -> None:
     path = tmp_path / ("w.wf2model" if fmt == "waffe2" else "b")
     ptio.save(path, {"params": _params()}, format=fmt, layers=LAYERS)
-    where = checksum.write_manifest(path)
+    where = integrity.write_manifest(path)
     assert where == path / "pytreeio-sum.json"
     info = ptio.verify(path)  # the format still reads its directory with the sidecar in it
     assert info.format == fmt
@@ -230,26 +230,26 @@ def test_manifest_directory(tmp_path: Path, fmt: str) -> None:
     victim = max(members, key=lambda p: p.stat().st_size)
     _flip(victim, victim.stat().st_size - 2)
     with pytest.raises(FormatError) as e:
-        checksum.check_manifest(path)
+        integrity.check_manifest(path)
     assert e.value.path == str(victim.resolve())
     assert e.value.field == victim.relative_to(path).as_posix()
     with pytest.raises(FormatError, match=victim.name):
         ptio.verify(path)
 
     # an added member and a removed one
-    checksum.write_manifest(path)
+    integrity.write_manifest(path)
     extra = path / "notes.txt"
     extra.write_text("x")
     with pytest.raises(FormatError, match="not recorded") as e:
-        checksum.check_manifest(path)
+        integrity.check_manifest(path)
     assert e.value.field == "notes.txt"
     extra.unlink()
-    checksum.check_manifest(path)
+    integrity.check_manifest(path)
 
     # the next save swaps the whole directory in: the sidecar goes with the old checkpoint
     ptio.save(path, {"params": _params()}, format=fmt, layers=LAYERS)
     assert not where.exists()
-    assert not checksum.check_manifest(path)
+    assert not integrity.check_manifest(path)
     ptio.verify(path)
 
 
@@ -261,24 +261,24 @@ def test_verify_during_a_save_verifies_one_checkpoint(
     corruption of an unchanged checkpoint is reported at once."""
     path = tmp_path / "w.wf2model"
     ptio.save(path, {"params": _params()}, format="waffe2", layers=LAYERS)
-    checksum.write_manifest(path)
-    real = checksum.check_manifest
+    integrity.write_manifest(path)
+    real = integrity.check_manifest
     calls: list[int] = []
 
     def saved_meanwhile(p: Any, fmt: Any = None) -> bool:
         calls.append(1)
         if len(calls) == 1:  # what a read of the old manifest beside the new files finds
             ptio.save(path, {"params": _params()}, format="waffe2", layers=LAYERS)
-            checksum.write_manifest(path)
+            integrity.write_manifest(path)
             raise FormatError("changed since its manifest was written", path=str(p))
         return real(p, fmt)
 
-    monkeypatch.setattr(checksum, "check_manifest", saved_meanwhile)
+    monkeypatch.setattr(integrity, "check_manifest", saved_meanwhile)
     assert ptio.verify(path).format == "waffe2"
     assert len(calls) == 2
 
     calls.clear()
-    monkeypatch.setattr(checksum, "check_manifest", real)
+    monkeypatch.setattr(integrity, "check_manifest", real)
     victim = max((p for p in path.iterdir() if p.suffix == ".npy"), key=lambda p: p.stat().st_size)
     _flip(victim, victim.stat().st_size - 2)
     with pytest.raises(FormatError, match=victim.name):
@@ -288,7 +288,7 @@ def test_verify_during_a_save_verifies_one_checkpoint(
 def test_manifest_conformance_waffe2_directory(tmp_path: Path, conformance: Path) -> None:
     path = tmp_path / "t.wf2model"
     shutil.copytree(conformance / "waffe2" / "tiny_adam3_opt.wf2model", path)
-    checksum.write_manifest(path)
+    integrity.write_manifest(path)
     ptio.verify(path)
     victim = path / "parameters.json"
     victim.write_bytes(victim.read_bytes() + b" ")
@@ -300,7 +300,7 @@ def test_manifest_conformance_waffe2_directory(tmp_path: Path, conformance: Path
 def test_manifest_sibling_pair(tmp_path: Path) -> None:
     stem = tmp_path / "ck"
     ptio.save(stem, {"params": _params()}, format="netcl-checkpoint", layers=LAYERS)
-    where = checksum.write_manifest(stem, format="netcl-checkpoint")
+    where = integrity.write_manifest(stem, format="netcl-checkpoint")
     doc = json.loads(where.read_text())
     assert len(doc["files"]) == 2
     ptio.verify(stem, format="netcl-checkpoint")

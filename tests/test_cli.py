@@ -15,7 +15,7 @@ import pytest
 from model_data import MLP_LAYERS, mlp_params
 
 from pytreeio import api, cli
-from pytreeio.errors import FormatError, MismatchError, UnknownFormatError
+from pytreeio.core.errors import FormatError, MismatchError, UnknownFormatError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -248,7 +248,7 @@ def test_warnings_are_one_line_without_source(
 ) -> None:
     import warnings
 
-    from pytreeio.errors import PytreeioWarning
+    from pytreeio.core.errors import PytreeioWarning
 
     def warn(*args: object, **kwargs: object) -> object:
         warnings.warn("dropping\nthe thing", PytreeioWarning, stacklevel=2)
@@ -443,7 +443,7 @@ def test_verify_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
 def test_verify_bullet_quantisation_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from pytreeio.fmt import bullet
+    from pytreeio.formats.bullet import checkpoint as bullet
 
     rng = np.random.default_rng(1)
     weights = {

@@ -33,8 +33,8 @@ import pytest
 from tinyllama_data import random_tree
 
 import pytreeio as ptio
-from pytreeio import conversion as C
-from pytreeio.model import Model
+from pytreeio.engine import conversion as C
+from pytreeio.model.form import Model
 
 LR = 1e-3
 COUNT = 3

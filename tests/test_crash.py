@@ -23,7 +23,7 @@ import pytest
 from saver_process import SaverProcess
 
 from pytreeio import io
-from pytreeio.registry import DIRECTORY, FILE, Encoded, Siblings
+from pytreeio.core.records import DIRECTORY, FILE, Encoded, Siblings
 
 SIZE = 24 << 20  # the big file of each version; the second one is a quarter of it
 
@@ -40,7 +40,10 @@ import os, sys, time
 from pathlib import Path
 import numpy as np
 from pytreeio import io
-from pytreeio.registry import DIRECTORY, FILE, Encoded, Siblings
+from pytreeio.core.records import DIRECTORY
+from pytreeio.core.records import FILE
+from pytreeio.core.records import Encoded
+from pytreeio.core.records import Siblings
 
 dest, layout, size, mode, base = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 durable = os.environ.get("CRASH_DURABLE") == "1"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import pytreeio as ptio
-from pytreeio import registry
+from pytreeio.formats import registry
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_format.py"
 

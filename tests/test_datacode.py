@@ -21,8 +21,8 @@ from hypothesis import given
 
 import pytreeio as ptio
 from pytreeio import cli
-from pytreeio.binary import BufferSource
-from pytreeio.errors import (
+from pytreeio.core.binary import BufferSource
+from pytreeio.core.errors import (
     ConversionError,
     EncodeError,
     FormatError,
@@ -30,9 +30,9 @@ from pytreeio.errors import (
     PytreeioError,
     PytreeioWarning,
 )
-from pytreeio.fmt import datacode as dc
-from pytreeio.model import Layer, Model
-from pytreeio.serde_json import dump_bytes, widen_f32
+from pytreeio.core.serde_json import dump_bytes, widen_f32
+from pytreeio.formats.datacode import nn as dc
+from pytreeio.model.form import Layer, Model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 ACTIVATIONS = ("ReLU", "Sigmoid", "Tanh", "Softmax", "Flatten")
@@ -1048,3 +1048,51 @@ def test_convert_through_another_model_format(conformance: Path, tmp_path: Path)
             assert native[k][part].tobytes() == original[k][part].tobytes()
     assert [la["name"] for la in meta["layers"]] == ["layer0", "layer1", "layer1"]
     assert meta["training"] == dc.empty_training()  # stages live in DataCode's own meta only
+
+
+def _layered_file(variant: str = "seed", n: int = 3, width: int = 4) -> bytes:
+    rng = np.random.default_rng(0)
+    tree = {
+        f"layer{2 * i}": {
+            "weight": rng.standard_normal((width, width), dtype=np.float32),
+            "bias": rng.standard_normal(width, dtype=np.float32),
+        }
+        for i in range(n)
+    }
+    return dc.encode(tree, meta={"layers": ["Linear", "ReLU"] * n}, variant=variant).tobytes()
+
+
+def test_later_variant_weights_are_transposed_views_and_documents_fresh() -> None:
+    native, meta = dc.decode(memoryview(_layered_file("later")))
+    assert meta[dc.FILE_KEY]["variant"] == "later"
+    assert not native["layer0"]["weight"].flags.c_contiguous  # a transposed view, as read
+    data = _layered_file()
+    _, meta = dc.decode(memoryview(data))
+    meta["layers"][0]["in_features"] = 99
+    meta["training"] = "changed"
+    _, again = dc.decode(memoryview(data))
+    assert again["layers"][0]["in_features"] == 4 and again["training"] != "changed"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "problem"),
+    [
+        ("device", 5, "device must be a string"),
+        ("training", [], "training must be an object"),
+        ("training", {"stages": "x"}, "training.stages"),
+        ("trainable", 1, "trainable"),  # equal to True, but not a bool
+    ],
+)
+def test_to_model_and_encode_check_the_whole_document(
+    field: str, value: object, problem: str
+) -> None:
+    native, meta = dc.decode(memoryview(_layered_file()))
+    dc.to_model(native, meta)
+    if field == "trainable":
+        bad = {**meta, "layers": [{**meta["layers"][0], field: value}, *meta["layers"][1:]]}
+    else:
+        bad = {**meta, field: value}
+    with pytest.raises(MismatchError, match=problem):
+        dc.to_model(native, bad)
+    with pytest.raises(MismatchError, match=problem):
+        dc.encode(native, meta=bad)

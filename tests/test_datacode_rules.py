@@ -11,11 +11,12 @@ import numpy as np
 import optax
 import pytest
 
-from pytreeio import optim
-from pytreeio.errors import MismatchError
-from pytreeio.fmt import datacode as dc
-from pytreeio.rules import datacode as rules
-from pytreeio.serde_json import widen_f32
+from pytreeio.core.errors import MismatchError
+from pytreeio.core.serde_json import widen_f32
+from pytreeio.formats.datacode import nn as dc
+from pytreeio.formats.datacode import training as training
+from pytreeio.model import optim
+from pytreeio.model.rules import datacode as rules
 
 f32 = np.float32
 ONE = f32(1)
@@ -216,7 +217,7 @@ def test_hyperparameters_survive_a_stage_record(otype: str) -> None:
     opt = rules.datacode_optimizer(stage)
     state = opt.init(params)
     _, state = opt.update(jax.tree.map(jnp.ones_like, params), state, params)
-    record = rules.stage_record(state, params, epochs=1, loss="cross_entropy")
+    record = training.stage_record(state, params, epochs=1, loss="cross_entropy")
     assert record["optimizer_type"] == otype
     assert record["optimizer_params"] == written
     assert record["trainable_params"] == 16 and record["frozen_params"] == 0
@@ -230,7 +231,7 @@ def test_every_seed_loss_name_is_accepted(loss: str) -> None:
     rules.datacode_optimizer(_stage("SGD", loss=loss))
     params = {"Dense_0": {"kernel": jnp.zeros((2, 2)), "bias": jnp.zeros(2)}}
     state = rules.datacode_optimizer(_stage("SGD")).init(params)
-    assert rules.stage_record(state, params, epochs=0, loss=loss)["loss"] == loss
+    assert training.stage_record(state, params, epochs=0, loss=loss)["loss"] == loss
 
 
 def test_refusals_name_what_is_wrong() -> None:
@@ -254,7 +255,7 @@ def test_refusals_name_what_is_wrong() -> None:
     params = {"Dense_0": {"kernel": jnp.zeros((2, 2)), "bias": jnp.zeros(2)}}
     state = rules.datacode_optimizer(_stage("SGD")).init(params)
     with pytest.raises(MismatchError, match="'hinge'"):
-        rules.stage_record(state, params, epochs=1, loss="hinge")
+        training.stage_record(state, params, epochs=1, loss="hinge")
 
 
 def test_a_document_uses_its_last_stage(conformance: Any) -> None:
@@ -329,7 +330,7 @@ def test_later_release_skips_non_finite_tensors() -> None:
 
 
 # --------------------------------------------------------------------------
-# pytreeio.optim's vocabulary and stage records
+# pytreeio.model.optim's vocabulary and stage records
 # --------------------------------------------------------------------------
 
 
@@ -344,12 +345,12 @@ def test_optim_state_maps_to_stock_kinds() -> None:
         "AdamW": "adamw",
     }
     for otype, kind in kinds.items():
-        state = rules.optim_state(_stage(otype))
+        state = training.optim_state(_stage(otype))
         assert state.kind == kind and state.slots == {} and state.count is None
         assert state.hyperparams["learning_rate"] > 0
         opt = optim.build(state.kind, state.hyperparams)
         opt.init({"w": jnp.zeros(2)})
-    momentum = rules.optim_state(_stage("Momentum"))
+    momentum = training.optim_state(_stage("Momentum"))
     assert momentum.hyperparams["learning_rate"] == pytest.approx(0.05 * 0.2, rel=1e-6)
 
 
@@ -360,7 +361,7 @@ def test_stage_record_from_stock_optax_and_layers() -> None:
     }
     layers = [dc.TYPES[0], "ReLU", {"type": "Linear", "trainable": False}]
     adam = optax.inject_hyperparams(optax.adam)(learning_rate=0.001, b1=0.9, b2=0.999)
-    record = rules.stage_record(
+    record = training.stage_record(
         adam.init(params),
         params,
         epochs=2,
@@ -383,11 +384,11 @@ def test_stage_record_from_stock_optax_and_layers() -> None:
     assert record["accuracy_history"] == [widen_f32(0.1), widen_f32(0.2)]
     assert record["lr_history"] is None
     sgd = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)
-    nag = rules.stage_record(sgd.init(params), params, epochs=1, loss="mse", layers=layers)
+    nag = training.stage_record(sgd.init(params), params, epochs=1, loss="mse", layers=layers)
     assert nag["optimizer_type"] == "NAG" and nag["optimizer_params"]["beta"] == 0.9
     assert "lr_history" not in nag
     with pytest.raises(MismatchError, match="inject_hyperparams"):
-        rules.stage_record(
+        training.stage_record(
             optax.adam(0.1).init(params), params, epochs=1, loss="mse", layers=layers
         )
 
@@ -404,15 +405,15 @@ def test_with_stage_writes_a_file_that_rewrites_exactly() -> None:
     for i, otype in enumerate(rules.OPTIMIZERS):
         opt = rules.datacode_optimizer(_stage(otype))
         state = opt.init(params)
-        record = rules.stage_record(
+        record = training.stage_record(
             state, params, epochs=i, loss=rules.LOSSES[i % 5], layers=layers, loss_history=[0.1] * i
         )
-        meta = rules.with_stage(meta, record)
+        meta = training.with_stage(meta, record)
     assert len(meta["training"]["stages"]) == len(rules.OPTIMIZERS)
     assert meta["training"]["optimizer"] == "AdamW" and meta["training"]["epochs"] == 6
     data = dc.encode(native, meta=meta).tobytes()
     tree, back = dc.decode(memoryview(data))
     assert dc.encode(tree, meta=back).tobytes() == data
     for _ in range(rules.MAX_STAGES):
-        meta = rules.with_stage(meta, record)
+        meta = training.with_stage(meta, record)
     assert len(meta["training"]["stages"]) == rules.MAX_STAGES

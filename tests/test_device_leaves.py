@@ -1,7 +1,7 @@
 """Arrays held on an accelerator: saved as streamed leaves whose transfers overlap the writes.
 
 The suite runs on CPU, so these tests make jax CPU arrays count as
-accelerator-held (``sharding.on_accelerator``) and check that the path such
+accelerator-held (``shards.on_accelerator``) and check that the path such
 arrays take on a GPU writes the same bytes as the ordinary one, takes each
 array's own host copy (one transfer, started when the array is encoded and
 awaited when it is written) and leaves the caller's tree as it was.
@@ -19,14 +19,15 @@ import pytest
 from conftest import assert_bits_equal
 
 import pytreeio as ptio
-from pytreeio import sharding
+from pytreeio import multihost
+from pytreeio.core import shards
 
 
 @pytest.fixture
 def as_if_on_gpu(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """jax arrays count as accelerator-held; returns the streamed leaves the encoders make."""
     made: list[Any] = []
-    real_leaf = sharding.sharded_leaf
+    real_leaf = shards.sharded_leaf
 
     def on_accelerator(x: Any) -> bool:
         return isinstance(x, jax.Array) and len(x.sharding.device_set) == 1
@@ -37,8 +38,8 @@ def as_if_on_gpu(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
             made.append(leaf)
         return leaf
 
-    monkeypatch.setattr(sharding, "on_accelerator", on_accelerator)
-    monkeypatch.setattr(sharding, "sharded_leaf", sharded_leaf)
+    monkeypatch.setattr(shards, "on_accelerator", on_accelerator)
+    monkeypatch.setattr(shards, "sharded_leaf", sharded_leaf)
     return made
 
 
@@ -83,7 +84,7 @@ def test_accelerator_leaves_write_the_bytes_of_host_leaves(
 
 def test_a_whole_array_is_one_piece_taken_from_the_array_itself(as_if_on_gpu: list[Any]) -> None:
     x = jnp.arange(4096 * 3, dtype=jnp.float32).reshape(4096, 3)
-    leaf = sharding.sharded_leaf(x, "x")
+    leaf = shards.sharded_leaf(x, "x")
     assert leaf is not None and leaf._whole
     chunks = leaf.chunks()
     data = b"".join(bytes(c.produce()) for c in chunks)
@@ -93,10 +94,10 @@ def test_a_whole_array_is_one_piece_taken_from_the_array_itself(as_if_on_gpu: li
 
 def test_cpu_arrays_and_numpy_stay_on_the_ordinary_path() -> None:
     on_cpu = jax.device_put(jnp.ones(3), jax.devices("cpu")[0])  # a GPU machine has a CPU too
-    assert not sharding.on_accelerator(on_cpu)
-    assert not sharding.on_accelerator(np.ones(3))
-    assert sharding.sharded_leaf(on_cpu, "x") is None
-    sharding.start_host_copies({"a": on_cpu, "b": np.ones(2), "c": 1})  # nothing to start
+    assert not shards.on_accelerator(on_cpu)
+    assert not shards.on_accelerator(np.ones(3))
+    assert shards.sharded_leaf(on_cpu, "x") is None
+    shards.start_host_copies({"a": on_cpu, "b": np.ones(2), "c": 1})  # nothing to start
 
 
 def test_save_async_of_accelerator_leaves(tmp_path: Path, as_if_on_gpu: list[Any]) -> None:
@@ -115,7 +116,7 @@ def test_save_in_parts_writes_accelerator_arrays_from_the_primary(
 
     tree = _tree()
     dest = tmp_path / "ckpt.safetensors"
-    results = run_threads(2, lambda c: sharding.save_in_parts(dest, tree, coordinator=c))
+    results = run_threads(2, lambda c: multihost.save_in_parts(dest, tree, coordinator=c))
     assert results == [None, None] and as_if_on_gpu == []
     ptio.save(tmp_path / "plain.safetensors", _on_host(tree))
     assert dest.read_bytes() == (tmp_path / "plain.safetensors").read_bytes()
@@ -127,9 +128,9 @@ def test_a_snapshot_keeps_the_host_copies_of_accelerator_arrays(
     # jax's host copy of an accelerator array is read-only: save_async's snapshot keeps it
     # instead of copying it again (the transfer is the only copy)
     from pytreeio import async_save
-    from pytreeio.fmt import safetensors as st
+    from pytreeio.formats import safetensors as st
 
-    monkeypatch.setattr(sharding, "_host_copy_is_private", lambda array: True)
+    monkeypatch.setattr(shards, "_host_copy_is_private", lambda array: True)
     tree = _tree()
     snap = async_save._snapshot(st.encode(tree))
     kernel = np.asarray(tree["params"]["dense"]["kernel"])
@@ -147,7 +148,7 @@ def test_a_snapshot_keeps_the_host_copies_of_accelerator_arrays(
 def test_a_snapshot_copies_what_is_not_private(as_if_on_gpu: list[Any]) -> None:
     # a CPU array's host view is its device buffer (a donation may reuse it): copied
     from pytreeio import async_save
-    from pytreeio.fmt import safetensors as st
+    from pytreeio.formats import safetensors as st
 
     tree = jax.device_put(_tree(), jax.devices("cpu")[0])  # on the CPU on any machine
     snap = async_save._snapshot(st.encode(tree))

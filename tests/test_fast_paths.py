@@ -20,10 +20,10 @@ import pytest
 from hypothesis import given
 
 import pytreeio as ptio
-from pytreeio import quant
-from pytreeio.binary import BufferSource, ByteSource
-from pytreeio.errors import PytreeioError, QuantisationError
-from pytreeio.fmt import waffe2
+from pytreeio.core import quant
+from pytreeio.core.binary import BufferSource, ByteSource
+from pytreeio.core.errors import PytreeioError, QuantisationError
+from pytreeio.formats.waffe2 import state_dict as waffe2
 
 
 @pytest.mark.parametrize(
@@ -151,7 +151,7 @@ def test_bullet_quantised_file_is_quantise(tmp_path: Path) -> None:
     ptio.save(dest, tree, format="bullet", meta={"saved_format": layout})
     want = quant.quantise(w0, 255, "i16", round=True, transpose=True).tobytes()
     want += quant.quantise(b0, 255 * 64, "i32").tobytes()
-    from pytreeio.fmt.bullet import padding
+    from pytreeio.formats.bullet.checkpoint import padding
 
     want += padding(len(want))
     assert (dest / "quantised.bin").read_bytes() == want
@@ -192,7 +192,7 @@ def _many_small_entries() -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
 
 
 def _quantised_one_by_one(weights: dict[str, np.ndarray], layout: list[dict[str, Any]]) -> bytes:
-    from pytreeio.fmt import bullet
+    from pytreeio.formats.bullet import checkpoint as bullet
 
     want = b""
     for e in layout:
@@ -211,12 +211,11 @@ def _quantised_one_by_one(weights: dict[str, np.ndarray], layout: list[dict[str,
     return want + bullet.padding(len(want))
 
 
-@pytest.mark.usefixtures("kernel_backend")
 @pytest.mark.parametrize(("small", "run"), [(1 << 14, 1 << 18), (30, 50), (1, 1)])
 def test_bullet_runs_of_small_entries_are_quantise(
     small: int, run: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pytreeio.fmt import bullet
+    from pytreeio.formats.bullet import checkpoint as bullet
 
     monkeypatch.setattr(bullet, "_SMALL_VALUES", small)
     monkeypatch.setattr(bullet, "_RUN_VALUES", run)
@@ -230,7 +229,7 @@ def test_bullet_runs_of_small_entries_are_quantise(
 @pytest.mark.parametrize("where", [0, 2, 3])
 def test_bullet_run_errors_name_the_entry(bad: float, where: int) -> None:
     """A value that does not fit fails its run; the error is the entry's own check's."""
-    from pytreeio.fmt import bullet
+    from pytreeio.formats.bullet import checkpoint as bullet
 
     weights = {f"t{k}": np.full((2, 3), 0.25, np.float32) for k in range(5)}
     weights[f"t{where}"][1, 2] = bad
@@ -247,8 +246,8 @@ def test_bullet_run_errors_name_the_entry(bad: float, where: int) -> None:
 
 
 def test_bullet_run_error_comes_before_a_later_transform_error() -> None:
-    from pytreeio.errors import EncodeError
-    from pytreeio.fmt import bullet
+    from pytreeio.core.errors import EncodeError
+    from pytreeio.formats.bullet import checkpoint as bullet
 
     bullet.register_transform("_test_wrong_size", lambda a, _: a.reshape(-1)[:1], replace=True)
     weights = {"a": np.float32([0.1, 9.0]), "b": np.float32([0.1]), "c": np.float32([0.1, 0.2])}
@@ -270,7 +269,7 @@ def test_bullet_run_error_comes_before_a_later_transform_error() -> None:
 
 
 def test_writer_extend_is_raw_and_array() -> None:
-    from pytreeio.binary import Writer
+    from pytreeio.core.binary import Writer
 
     rng = np.random.default_rng(6)
     small = rng.standard_normal((3, 4), dtype=np.float32)
@@ -334,13 +333,13 @@ def _mutated(data: bytes, draw: st.DataObject) -> bytes:
 
 
 def _bullet_inspect(src: ByteSource) -> object:
-    from pytreeio.fmt import bullet
+    from pytreeio.formats.bullet import checkpoint as bullet
 
     return bullet.inspect({_WEIGHTS: src}).entries
 
 
 def _datacode_inspect(src: ByteSource) -> object:
-    from pytreeio.fmt import datacode
+    from pytreeio.formats.datacode import nn as datacode
 
     return datacode.inspect(src)
 
@@ -349,7 +348,7 @@ _WEIGHTS = "optimiser_state/weights.bin"
 
 
 def _bullet_file() -> bytes:
-    from pytreeio.fmt import bullet
+    from pytreeio.formats.bullet import checkpoint as bullet
 
     weights = {"l0w": np.ones((3, 2), np.float32), "l0b": np.ones(2, np.float32)}
     weights["a_long_id_" + "x" * 40] = np.arange(3, dtype=np.float32)  # beyond the first probe
@@ -357,7 +356,7 @@ def _bullet_file() -> bytes:
 
 
 def _datacode_file() -> bytes:
-    from pytreeio.fmt import datacode
+    from pytreeio.formats.datacode import nn as datacode
 
     tree = {
         "layer0": {"weight": np.ones((3, 4), np.float32), "bias": np.ones(4, np.float32)},
@@ -367,13 +366,13 @@ def _datacode_file() -> bytes:
 
 
 def _npz_read(src: ByteSource) -> object:
-    from pytreeio import npy
+    from pytreeio.containers import npy
 
     return [(k, a.dtype.str, a.shape, a.tobytes()) for k, a in npy.read_npz(src).items()]
 
 
 def _npz_file() -> bytes:
-    from pytreeio import npy
+    from pytreeio.containers import npy
 
     items = [("a", np.ones((3, 2), np.float32)), ("b", np.arange(4, dtype=np.int16))]
     items += [("c", np.asfortranarray(np.ones((2, 3)))), ("d", np.float32(2.0))]
@@ -420,9 +419,9 @@ def test_mutated_headers_read_either_way(
     ],
 )
 def test_datacode_json_problems_are_found(value: bytes, problem: str | None) -> None:
-    from pytreeio.errors import FormatError
-    from pytreeio.fmt import datacode
-    from pytreeio.serde_json import dump_bytes
+    from pytreeio.core.errors import FormatError
+    from pytreeio.core.serde_json import dump_bytes
+    from pytreeio.formats.datacode import nn as datacode
 
     doc = dump_bytes({"device": "cpu", "layers": [], "training": None}).replace(
         b'"training":null', b'"training":null,"x":' + value
@@ -436,8 +435,8 @@ def test_datacode_json_problems_are_found(value: bytes, problem: str | None) -> 
 
 
 def test_serde_json_errors_name_the_member() -> None:
-    from pytreeio.errors import EncodeError
-    from pytreeio.serde_json import dumps
+    from pytreeio.core.errors import EncodeError
+    from pytreeio.core.serde_json import dumps
 
     with pytest.raises(EncodeError) as info:
         dumps({"a": [1, {"b": 2**64}]})
@@ -450,20 +449,3 @@ def test_serde_json_errors_name_the_member() -> None:
 # --------------------------------------------------------------------------
 # npz: headers seen before are taken from the cache only when read_npy would agree
 # --------------------------------------------------------------------------
-
-
-@given(data=st.data())
-def test_known_npy_is_read_npy(data: st.DataObject) -> None:
-    from pytreeio import npy
-
-    arr = np.arange(12, dtype=np.float32).reshape(3, 4)
-    whole = b"".join(bytes(c) for c in npy.encode_npy(np.asfortranarray(arr)))
-    npy.read_npy(whole)  # its header is now known
-    known = npy._known_npy(memoryview(whole))
-    assert known is not None and np.array_equal(known, arr) and known.flags.f_contiguous
-    mutated = _mutated(whole, data)
-    fast = npy._known_npy(memoryview(mutated))
-    if fast is not None:
-        slow = npy.read_npy(mutated)
-        assert fast.shape == slow.shape and fast.dtype == slow.dtype
-        assert fast.tobytes() == slow.tobytes()

@@ -30,8 +30,9 @@ from fuzz import (
     mutate_json,
 )
 
-from pytreeio.errors import FormatError, MismatchError, PytreeioError
-from pytreeio.registry import FILE, Decoded, Encoded, Format, Info
+from pytreeio.core import records
+from pytreeio.core.errors import FormatError, MismatchError, PytreeioError
+from pytreeio.core.records import FILE, Decoded, Encoded, Format, Info
 
 N = 200
 
@@ -43,7 +44,7 @@ def _record(report: FuzzReport, capsys: pytest.CaptureFixture[str], record_prope
 
 
 def _format(name: str) -> Format:
-    from pytreeio.fmt import msgpack, safetensors, tinyllama
+    from pytreeio.formats import msgpack, safetensors, tinyllama
 
     return {
         "msgpack": msgpack.FORMAT,
@@ -73,9 +74,9 @@ def test_fuzz_single_file_formats(
 )
 def test_fuzz_netcl_formats(name: str, rng_seed: int, capsys: Any, record_property: Any) -> None:
     if name == "netcl":
-        from pytreeio.fmt.netcl import MODEL as fmt
+        from pytreeio.formats.netcl.model_file import MODEL as fmt
     else:
-        from pytreeio.fmt import netcl_checkpoint as nck
+        from pytreeio.formats.netcl import checkpoint as nck
 
         fmt = nck.CHECKPOINT if name == "netcl-checkpoint" else nck.PARAMS
     report = fuzz_format(fmt, default_seeds(name), N, rng_seed)
@@ -137,7 +138,7 @@ def _all_stages_raise_pytreeio_errors(fmt: Format, data: Any, **options: Any) ->
 def test_bullet_old_variant_record_with_a_zero_and_a_huge_dimension() -> None:
     """rows x cols = 0 passed the size check, then numpy refused the (cols, rows) shape
     (ValueError: Maximum allowed dimension exceeded) in bullet._arrays."""
-    from pytreeio.fmt import bullet
+    from pytreeio.formats.bullet import checkpoint as bullet
 
     for rows, cols in ((0, 2**64 - 1), (2**63, 0), (0, 2**63)):
         weights = b"l0w\n" + struct.pack("<QQ", rows, cols) + b"l0b\n" + struct.pack("<QQ", 0, 1)
@@ -153,7 +154,7 @@ def test_bullet_step_txt_of_millions_of_lines_costs_its_size_only() -> None:
     (275 MB peak, seconds) though the second repeated line already fails."""
     from fuzz import MEMORY_ALLOWANCE, _PeakMemory
 
-    from pytreeio.fmt import bullet
+    from pytreeio.formats.bullet import checkpoint as bullet
 
     seed = next(s for s in default_seeds("bullet") if isinstance(s, Seed))
     assert isinstance(seed.data, dict)
@@ -168,13 +169,13 @@ def test_bullet_step_txt_of_millions_of_lines_costs_its_size_only() -> None:
 
 def test_verify_of_a_msgpack_map_with_keys_that_form_no_key_path(tmp_path: Path) -> None:
     """A map key None or 1.5 (flax's reader keeps such keys): ptio.verify's NaN/inf count
-    raised TypeError from tree.flatten (checksum.nonfinite_counts); now such keys are
+    raised TypeError from tree.flatten (integrity.nonfinite_counts); now such keys are
     named by str()."""
     import msgpack as msgpack_lib
     from fuzz import _run_one
 
     import pytreeio as ptio
-    from pytreeio.fmt import msgpack
+    from pytreeio.formats import msgpack
 
     blob = msgpack_lib.packb({None: float("nan"), "None": float("inf"), 1.5: 2.0, "a": 1.0})
     like = {"None": 0.0, "a": 0.0}  # the fuzzer's like: a seed's tree
@@ -196,7 +197,7 @@ def _wf2_dir(entries: dict[str, Any]) -> dict[str, bytes]:
 def test_waffe2_type_specifier_with_a_bound_of_too_many_digits() -> None:
     """int() of a 5000-digit bound in '(integer 0 999...)' raised ValueError
     (waffe2_keys.parse_type_specifier, from waffe2.decode and inspect)."""
-    from pytreeio.fmt import waffe2
+    from pytreeio.formats.waffe2 import state_dict as waffe2
 
     for bound in ("9" * 5000, "-" + "9" * 5000):
         key = f"optimizer:linearlayer.0.weights.adam.(integer 0 {bound}).n"
@@ -206,7 +207,7 @@ def test_waffe2_type_specifier_with_a_bound_of_too_many_digits() -> None:
 
 def test_waffe2_float_entry_holding_an_integer_beyond_any_float() -> None:
     """float(10**400) raised OverflowError in waffe2._check_number (decode and inspect)."""
-    from pytreeio.fmt import waffe2
+    from pytreeio.formats.waffe2 import state_dict as waffe2
 
     key = "optimizer:linearlayer.0.weights.adam.single-float.lr"
     for value in ("1" + "0" * 400, "-" + "1" * 320):
@@ -220,8 +221,8 @@ def test_waffe2_sidecar_convolution_with_zero_groups() -> None:
     """groups=0 in the sidecar's layer list: ZeroDivisionError in waffe2._flax_shapes (to_model)."""
     import hashlib
 
-    from pytreeio import npy
-    from pytreeio.fmt import waffe2
+    from pytreeio.containers import npy
+    from pytreeio.formats.waffe2 import state_dict as waffe2
 
     params = _wf2_dir({"param:conv2d.0.weight": '"x/param:conv2d.0.weight.npy"'})["parameters.json"]
     for groups in (0, -1):
@@ -278,7 +279,7 @@ def test_fuzzer_reports_foreign_exceptions_with_the_saved_input(tmp_path: Path) 
 
 def test_fuzzer_checks_slots_against_decode(tmp_path: Path) -> None:
     """A slots function that reads other bytes than decode returns fails the ``slots`` stage."""
-    from pytreeio.registry import Slot, Slots
+    from pytreeio.core.binary import Slot, Slots
 
     def decode(buffer: Any) -> Decoded:
         return Decoded({"n": np.frombuffer(bytes(buffer), np.uint8).copy()}, {})
@@ -398,7 +399,8 @@ def test_probe_buffer_gives_the_probe_io_reads_from_disk(tmp_path: Path) -> None
     """The sniff stage's probes (io.probe_buffer over the bytes) equal io.probe of the
     same files on disk, for every layout and every registered format's sibling roles."""
     import pytreeio as ptio
-    from pytreeio import io, registry
+    from pytreeio import io
+    from pytreeio.formats import registry
 
     (tmp_path / "st").mkdir()
     ptio.save(tmp_path / "st" / "a.safetensors", {"w": np.ones((2, 3), np.float32)})
@@ -427,9 +429,9 @@ def test_probe_buffer_gives_the_probe_io_reads_from_disk(tmp_path: Path) -> None
         for layout in layouts:
             assert io.probe_buffer(path, files, layout) == io.probe(path, layout), (path, layout)
             checked += 1
-    on_disk = io.probe(tmp_path / "pair" / "ckpt.npz", registry.FILE)
+    on_disk = io.probe(tmp_path / "pair" / "ckpt.npz", records.FILE)
     assert on_disk.members and on_disk.size > 0  # the comparison saw a real ZIP
-    assert io.probe(tmp_path / "dir.wf2model", registry.DIRECTORY).heads
+    assert io.probe(tmp_path / "dir.wf2model", records.DIRECTORY).heads
     assert checked >= 7 * 4
 
 
@@ -439,7 +441,8 @@ def test_verify_stage_checks_a_directory_manifest_like_verify_on_disk(tmp_path: 
     from fuzz import _run_one, _with_manifest
 
     import pytreeio as ptio
-    from pytreeio import checksum, registry
+    from pytreeio import integrity
+    from pytreeio.formats import registry
 
     fmt = registry.get("waffe2")
     seed = next(s for s in default_seeds("waffe2") if isinstance(s, dict))
@@ -447,9 +450,9 @@ def test_verify_stage_checks_a_directory_manifest_like_verify_on_disk(tmp_path: 
     for rel, blob in seed.items():
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         (dest / rel).write_bytes(blob)
-    checksum.write_manifest(dest, "waffe2")
-    on_disk = json.loads((dest / checksum.MANIFEST_NAME).read_bytes())
-    ours = json.loads(_with_manifest("waffe2", seed)[checksum.MANIFEST_NAME])
+    integrity.write_manifest(dest, "waffe2")
+    on_disk = json.loads((dest / integrity.MANIFEST_NAME).read_bytes())
+    ours = json.loads(_with_manifest("waffe2", seed)[integrity.MANIFEST_NAME])
     assert on_disk["files"] == ours["files"] and len(ours["files"]) == len(seed)
 
     with_manifest = _with_manifest("waffe2", seed)
@@ -465,7 +468,7 @@ def test_verify_stage_checks_a_directory_manifest_like_verify_on_disk(tmp_path: 
         ptio.verify(dest, format="waffe2")
     assert on_disk_error.value.field == name
     with pytest.raises(FormatError, match="malformed manifest"):
-        checksum.check_manifest_buffers(b'{"pytreeio-sum": 1, "files": []}', {})
+        integrity.check_manifest_buffers(b'{"pytreeio-sum": 1, "files": []}', {})
 
 
 @pytest.mark.parametrize("name", ["safetensors", "netcl-checkpoint", "waffe2", "bullet"])
@@ -474,7 +477,7 @@ def test_sniff_stage_recognises_every_seed_as_its_format(name: str, conformance:
     ``ptio.load(path)`` without format= would."""
     from fuzz import _sniff_all
 
-    from pytreeio import registry
+    from pytreeio.formats import registry
 
     fmt = registry.get(name)
     for seed in default_seeds(name, conformance=conformance):
@@ -488,8 +491,8 @@ def test_model_formats_restore_into_the_seed_model_as_flax_variables() -> None:
     then restore_model; a layer whose shape changed is a MismatchError."""
     from fuzz import _host, _model_like, _run_one
 
-    from pytreeio import registry
-    from pytreeio.fmt import netcl_checkpoint as nck
+    from pytreeio.formats import registry
+    from pytreeio.formats.netcl import checkpoint as nck
 
     fmt = registry.get("netcl-params")
     seed = default_seeds("netcl-params")[0]
@@ -508,8 +511,8 @@ def test_model_formats_restore_into_the_seed_model_as_flax_variables() -> None:
 def test_fields_found_in_each_container() -> None:
     from fuzz import _msgpack_fields
 
-    from pytreeio import npy
-    from pytreeio.fmt import msgpack, safetensors
+    from pytreeio.containers import npy
+    from pytreeio.formats import msgpack, safetensors
 
     tl_seed = default_seeds("tinyllama")[0]
     assert isinstance(tl_seed, bytes)
@@ -609,7 +612,7 @@ def test_fuzzer_passes_seed_options_to_decode() -> None:
 def test_fields_found_in_the_newer_containers() -> None:
     from fuzz import find_records
 
-    from pytreeio import npy
+    from pytreeio.containers import npy
 
     datacode = default_seeds("datacode")[0]
     assert isinstance(datacode, bytes)
@@ -645,7 +648,7 @@ def test_shaped_mutations_cover_each_class() -> None:
         _shaped,
     )
 
-    from pytreeio import npy
+    from pytreeio.containers import npy
 
     rng = random.Random(7)
     datacode = default_seeds("datacode")[0]
@@ -704,7 +707,7 @@ def test_mapping_mutations_change_one_member_per_input() -> None:
 def test_command_line_fuzzes_every_registered_format(capsys: Any) -> None:
     from fuzz import main
 
-    from pytreeio import registry
+    from pytreeio.formats import registry
 
     assert main(["-n", "2", "--seed", "1"]) == 0
     out = capsys.readouterr().out
@@ -719,7 +722,7 @@ def test_lazy_view_of_a_msgpack_map_with_keys_that_form_no_key_path(tmp_path: Pa
     import msgpack as msgpack_lib
 
     import pytreeio as ptio
-    from pytreeio.fmt import msgpack
+    from pytreeio.formats import msgpack
 
     arr = np.arange(6, dtype=np.float32)
     blob = msgpack.encode({"x": {"w": arr}}).tobytes().replace(b"\xa1x", b"\xc0", 1)  # key nil

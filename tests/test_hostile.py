@@ -24,14 +24,14 @@ import msgpack
 import numpy as np
 import pytest
 
-from pytreeio import npy
-from pytreeio import zip as zipfmt
-from pytreeio.binary import BufferSource, ByteSource, Reader
-from pytreeio.errors import FormatError, MismatchError, PytreeioError
-from pytreeio.fmt import msgpack as fmt_msgpack
-from pytreeio.fmt import safetensors as fmt_st
-from pytreeio.fmt import tinyllama as tl
-from pytreeio.tree import restore
+from pytreeio.containers import npy
+from pytreeio.containers import zip as zipfmt
+from pytreeio.core.binary import BufferSource, ByteSource, Reader
+from pytreeio.core.errors import FormatError, MismatchError, PytreeioError
+from pytreeio.core.tree import restore
+from pytreeio.formats import msgpack as fmt_msgpack
+from pytreeio.formats import safetensors as fmt_st
+from pytreeio.formats import tinyllama as tl
 
 MiB = 1024 * 1024
 ALLOWANCE = 64 * MiB
@@ -112,8 +112,8 @@ def safetensors_bytes(header: dict[str, Any], data: bytes = b"") -> bytes:
 
 
 def pytreeio_safetensors(tree_doc: str, meta: str | None = None, **tensors: Any) -> bytes:
-    """A safetensors file carrying a hand-written ``pytreeio.tree`` document."""
-    md = {"format": "pytreeio", "pytreeio.version": "1", "pytreeio.tree": tree_doc}
+    """A safetensors file carrying a hand-written ``pytreeio.core.tree`` document."""
+    md = {"format": "pytreeio", "pytreeio.version": "1", "pytreeio.core.tree": tree_doc}
     if meta is not None:
         md["pytreeio.meta"] = meta
     header: dict[str, Any] = {"__metadata__": md}
@@ -239,7 +239,7 @@ def test_duplicate_keys_in_meta() -> None:
 
 
 def test_deep_trees_and_meta_are_refused_on_encode_too() -> None:
-    from pytreeio.errors import EncodeError
+    from pytreeio.core.errors import EncodeError
 
     deep: Any = np.ones(1)
     for _ in range(fmt_st.MAX_TREE_DEPTH + 5):
@@ -267,7 +267,7 @@ def test_namedtuple_names_must_be_identifiers_and_not_keywords(
 ) -> None:
     doc = json.dumps({"namedtuple": name, "fields": fields, "items": [None] * len(fields)})
     err = format_error(lambda: fmt_st.decode(pytreeio_safetensors(doc)))
-    assert err.field == "pytreeio.tree"
+    assert err.field == "pytreeio.core.tree"
 
 
 def test_namedtuple_classes_are_bounded() -> None:

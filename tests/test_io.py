@@ -22,7 +22,8 @@ import pytest
 
 import pytreeio as ptio
 from pytreeio import io
-from pytreeio.registry import DIRECTORY, FILE, Encoded, Siblings
+from pytreeio.core.errors import FormatError
+from pytreeio.core.records import DIRECTORY, FILE, Encoded, Siblings
 
 
 def _pair(p: Path) -> dict[str, Path]:
@@ -539,29 +540,29 @@ def test_a_load_meeting_a_replaced_directory_reads_the_new_one_whole(
 ) -> None:
     """A save between a load's opening of a directory and its reading of the files opened on
     access removes them: the load opens the checkpoint again, never mixes or fails."""
-    from pytreeio import mapped_load
-
-    real = mapped_load.decode_path
+    real = io.open_source
     calls: list[int] = []
 
-    def replaced_once(opened: Any, decode: Any) -> Any:
+    def replaced_once(*args: Any, **kwargs: Any) -> Any:
+        opened = real(*args, **kwargs)
         calls.append(1)
         if len(calls) == 1:
             ptio.save(lazy_dir, _waffe2_tree(2.0, 8), format="waffe2", durable=False)
-        return real(opened, decode)
+        return opened
 
-    monkeypatch.setattr(mapped_load, "decode_path", replaced_once)
+    monkeypatch.setattr(io, "open_source", replaced_once)
     got = ptio.load(lazy_dir, format="waffe2")
     assert len(calls) == 2 and _values(got) == {2.0}
     assert got["param"]["linearlayer"]["0"]["bias"].shape == (8,)
 
-    def replaced_always(opened: Any, decode: Any) -> Any:
+    def replaced_always(*args: Any, **kwargs: Any) -> Any:
+        opened = real(*args, **kwargs)
         calls.append(1)
         ptio.save(lazy_dir, _waffe2_tree(float(len(calls)), 4), format="waffe2", durable=False)
-        return real(opened, decode)
+        return opened
 
     calls.clear()
-    monkeypatch.setattr(mapped_load, "decode_path", replaced_always)
+    monkeypatch.setattr(io, "open_source", replaced_always)
     with pytest.raises(io.ChangedWhileOpen, match="gone since the checkpoint was opened") as e:
         ptio.load(lazy_dir, format="waffe2")
     assert isinstance(e.value, FileNotFoundError) and str(lazy_dir) in str(e.value.filename)
@@ -723,6 +724,47 @@ def test_file_source_counts_and_bounds_reads(tmp_path: Path) -> None:
         assert e.value.field == "tail" and e.value.offset == 98 and e.value.path == str(p)
 
 
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_file_that_shrinks_while_read_is_a_format_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parallel: bool
+) -> None:
+    if parallel:
+        monkeypatch.setattr(io, "_PARALLEL_MIN", 0)
+        monkeypatch.setattr(io, "_PARALLEL_BLOCK", 1000)
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 40)
+    with io.FileSource(path) as src:
+        os.truncate(path, 3000)  # another program, after the open
+        assert bytes(src.read(10, 20, "head")) == bytes(range(10, 30))
+        reads = [
+            lambda: src.read(0, 5000, "data"),
+            lambda: src.read_into(2000, memoryview(bytearray(4000)), "w"),
+            lambda: src.read_scattered(
+                2500, [memoryview(bytearray(n)) for n in (100, 1000, 50)], "w"
+            ),
+        ]
+        for read in reads:
+            with pytest.raises(FormatError) as info:
+                read()
+            err = info.value
+            assert err.path == str(path) and "truncated" in err.reason
+            # the first missing byte, or with blocks read in parallel, a later block's first
+            assert err.offset == 3000 or (parallel and err.offset in (4000, 5000))
+    fd = os.open(path, os.O_RDONLY)
+    try:  # a whole-file read sized before the file shrank
+        monkeypatch.setattr(
+            io.os, "fstat", lambda fd: os.stat_result((0o100644, 0, 0, 1, 0, 0, 9000, 0, 0, 0))
+        )
+        with pytest.raises(FormatError, match="truncated") as info:
+            io._read_fd(fd, str(path), mmap=False)
+        assert info.value.path == str(path)
+        assert info.value.offset == 3000 or (
+            parallel and info.value.offset in range(4000, 9000, 1000)
+        )
+    finally:
+        os.close(fd)
+
+
 def test_parallel_read_of_large_files_is_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -746,17 +788,15 @@ def test_parallel_read_waits_for_every_job_before_closing_the_file(
     failed: list[BaseException] = []
     closed: list[int] = []
 
-    def read_range(
-        fd: int, view: memoryview, start: int, stop: int, name: str, *, file_offset: int = 0
-    ) -> None:
-        if start == 0:
+    def read_range(fd: int, view: memoryview, offset: int, name: str, field: str) -> None:
+        if offset == 0:
             raise OSError(errno.EIO, "Input/output error", name)
         time.sleep(0.05)
         try:
-            real(fd, view, start, stop, name, file_offset=file_offset)
+            real(fd, view, offset, name, field)
         except BaseException as exc:  # EBADF if the descriptor were closed under us
             failed.append(exc)
-        finished.append(start)
+        finished.append(offset)
 
     real_close = os.close
 

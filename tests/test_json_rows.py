@@ -16,7 +16,7 @@ import pytest
 
 import pytreeio as ptio
 from pytreeio import jsonsafe
-from pytreeio.errors import FormatError
+from pytreeio.core.errors import FormatError
 
 
 def both(raw: bytes, arrays: bool) -> Any:

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import pytreeio as ptio
-from pytreeio import io, registry
+from pytreeio import io
+from pytreeio.formats import registry
 from tests.model_data import MLP_LAYERS, mlp_params
 from tests.tinyllama_data import random_tree
 

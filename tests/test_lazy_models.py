@@ -19,12 +19,11 @@ import pytest
 
 import pytreeio as ptio
 from pytreeio import io
-from pytreeio.binary import BufferSource, ByteSource
-from pytreeio.errors import PytreeioError
-from pytreeio.fmt import bullet as B
-from pytreeio.fmt import datacode as D
-from pytreeio.fmt import waffe2 as W
-from pytreeio.registry import Slot, Slots
+from pytreeio.core.binary import BufferSource, ByteSource, Slot, Slots
+from pytreeio.core.errors import PytreeioError
+from pytreeio.formats.bullet import checkpoint as B
+from pytreeio.formats.datacode import nn as D
+from pytreeio.formats.waffe2 import state_dict as W
 
 # --------------------------------------------------------------------------
 # helpers

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import pytreeio as ptio
-from pytreeio import checksum, registry
-from pytreeio.errors import FormatError
+from pytreeio import integrity
+from pytreeio.core import binary
+from pytreeio.core.errors import FormatError
 
 
 def _tree() -> dict[str, Any]:
@@ -24,11 +25,11 @@ def _tree() -> dict[str, Any]:
     }
 
 
-def _slot(path: Path, key: str, **options: Any) -> registry.Slot:
+def _slot(path: Path, key: str, **options: Any) -> binary.Slot:
     """Where ``key``'s bytes lie (an unverified view's slot)."""
     with ptio.open(path, **options) as ck:
         slot = ck._entries()[key]
-    assert isinstance(slot, registry.Slot)
+    assert isinstance(slot, binary.Slot)
     return slot
 
 
@@ -127,7 +128,7 @@ def test_manifest_is_checked_when_the_view_opens(tmp_path: Path) -> None:
     ptio.save(path, tree)
     with ptio.open(path, verify=True) as ck:  # no manifest, no checksums: reads as usual
         np.testing.assert_array_equal(ck["params/bias"], tree["params"]["bias"])
-    checksum.write_manifest(path)
+    integrity.write_manifest(path)
     with ptio.open(path, verify=True) as ck:
         np.testing.assert_array_equal(ck["params/bias"], tree["params"]["bias"])
     _flip(path, _slot(path, "params/kernel").offset + 5)

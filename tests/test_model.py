@@ -12,9 +12,8 @@ import optax
 import pytest
 from flax.training import train_state
 
-from pytreeio import model as M
-from pytreeio.errors import MismatchError
-from pytreeio.layouts import Memo
+from pytreeio.core.errors import MismatchError
+from pytreeio.model import form as M
 
 RNG = np.random.default_rng(0)
 
@@ -243,19 +242,6 @@ def test_alike_layers_are_settled_once_but_equal_looking_args_are_not_shared() -
         )
 
 
-# --------------------------------------------------------------------------
-# layouts worked out before are built directly, and only for the same plain structure
-# --------------------------------------------------------------------------
-
-
-def _counted_normalize(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    monkeypatch.setattr(M, "_LAYOUTS", Memo(8))
-    calls: list[int] = []
-    original = M._normalized
-    monkeypatch.setattr(M, "_normalized", lambda *a: calls.append(1) or original(*a))
-    return calls
-
-
 def _linear(n: int = 3, bias: object = True) -> tuple[list, list]:
     entries = [{"type": "Linear", "args": {"bias": bias}}, "ReLU"] * n
     arrays = [
@@ -267,13 +253,11 @@ def _linear(n: int = 3, bias: object = True) -> tuple[list, list]:
     return entries, arrays
 
 
-def test_a_layout_worked_out_before_is_built_directly(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = _counted_normalize(monkeypatch)
+def test_normalize_layers_checks_every_call() -> None:
     entries, arrays = _linear()
     first = M.normalize_layers(entries, arrays)
     _, other = _linear()
     again = M.normalize_layers(entries, other)
-    assert calls == [1]
     assert [(la.type, dict(la.args), la.trainable) for la in again] == [
         (la.type, dict(la.args), la.trainable) for la in first
     ]
@@ -282,25 +266,14 @@ def test_a_layout_worked_out_before_is_built_directly(monkeypatch: pytest.Monkey
     )
     again[0].args["in_features"] = 99  # a caller's change reaches no later model
     assert M.normalize_layers(entries, arrays)[0].args["in_features"] == 2
-    assert M.normalize_layers(entries, arrays)[0] == first[0]
-
-
-def test_equal_but_different_entries_are_worked_out_on_their_own(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    calls = _counted_normalize(monkeypatch)
-    entries, arrays = _linear(bias=True)
-    M.normalize_layers(entries, arrays)
     with pytest.raises(MismatchError, match="bias must be true or false"):
         M.normalize_layers(_linear(bias=1)[0], arrays)  # 1 == True, but not a bool
 
-    class Entry(dict):  # a dict subclass: never taken for a plain dict
+    class Entry(dict):  # a dict subclass reads as the dict it is
         pass
 
     subclassed = [Entry(e) if isinstance(e, dict) else e for e in entries]
     assert M.normalize_layers(subclassed, arrays) == M.normalize_layers(entries, arrays)
-    assert len(calls) == 3 and len(M._LAYOUTS) == 1
-    # the same entries over arrays of another shape are checked again
     _, wrong = _linear()
     wrong[2]["bias"] = np.zeros(4, np.float32)
     with pytest.raises(MismatchError, match="layer 2"):
@@ -308,7 +281,7 @@ def test_equal_but_different_entries_are_worked_out_on_their_own(
 
 
 def test_flax_module_names_are_whole_names() -> None:
-    from pytreeio import model as model_mod
+    from pytreeio.model import form as model_mod
 
     kernel = np.zeros((2, 2), np.float32)
     assert model_mod.is_flax_tree({"Dense_0": {"kernel": kernel}})

@@ -18,8 +18,8 @@ from conftest import DTYPES, arrays, assert_bits_equal, trees
 from hypothesis import given
 
 import pytreeio as ptio
-from pytreeio.binary import BufferSource
-from pytreeio.fmt import msgpack as fmt_msgpack
+from pytreeio.core.binary import BufferSource
+from pytreeio.formats import msgpack as fmt_msgpack
 
 
 def _sample_tree() -> dict[str, Any]:
@@ -227,7 +227,7 @@ def test_module_constant_matches_flax() -> None:
 
 
 def test_registry_record_v2() -> None:
-    from pytreeio.registry import FILE, WEAK, Probe
+    from pytreeio.core.records import FILE, WEAK, Probe
 
     fmt = fmt_msgpack.FORMAT
     assert fmt.layout is FILE and not fmt.accepts_meta and not fmt.keeps_meta

@@ -1,4 +1,4 @@
-"""Flax NNX states and typed PRNG keys in msgpack and safetensors (pytreeio.nnx, pytreeio.keys)."""
+"""Flax NNX states and typed PRNG keys in msgpack and safetensors (pytreeio.core.nnx, pytreeio.core.keys)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 from flax import nnx
 
 import pytreeio as ptio
-from pytreeio import keys, tree
-from pytreeio.errors import EncodeError, FormatError, MismatchError
+from pytreeio.core import keys, tree
+from pytreeio.core.errors import EncodeError, FormatError, MismatchError
 
 GENERIC = ("msgpack", "safetensors")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -148,7 +148,7 @@ def test_safetensors_key_is_a_u32_tensor_with_its_implementation_recorded() -> N
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + n])
     assert header["k"]["dtype"] == "U32" and header["k"]["shape"] == [4, 2]
-    structure = json.loads(header["__metadata__"]["pytreeio.tree"])
+    structure = json.loads(header["__metadata__"]["pytreeio.core.tree"])
     assert structure == {"dict": [["k", {"leaf": "k", "key": "threefry2x32"}]]}
     # other readers see the key data
     from safetensors.numpy import load
@@ -217,7 +217,7 @@ def test_malformed_safetensors_keys_are_format_errors(
     meta = {
         "format": "pytreeio",
         "pytreeio.version": "1",
-        "pytreeio.tree": json.dumps({"dict": [["k", node]]}),
+        "pytreeio.core.tree": json.dumps({"dict": [["k", node]]}),
     }
     data = save({"k": tensor}, metadata=meta)
     with pytest.raises(FormatError):
@@ -238,23 +238,23 @@ def test_refuse_names_the_key_path_for_formats_without_keys(fmt: str) -> None:
         (k, "<root>"),
     ):
         with pytest.raises(EncodeError) as e:
-            keys.refuse(t, fmt)
+            tree.refuse_keys(t, fmt)
         assert e.value.key_path == where
         assert "PRNG key" in str(e.value)
     for fmt_ok in keys.HOLDS_KEYS:
-        keys.refuse({"k": k}, fmt_ok)  # nothing to refuse
-    keys.refuse({"old": jax.random.PRNGKey(0)}, fmt)  # old-style keys are arrays
+        tree.refuse_keys({"k": k}, fmt_ok)  # nothing to refuse
+    tree.refuse_keys({"old": jax.random.PRNGKey(0)}, fmt)  # old-style keys are arrays
 
 
 def test_refuse_looks_into_a_model() -> None:
-    from pytreeio.model import model_of
+    from pytreeio.model.form import model_of
 
     k = jax.random.key(0)
     model = model_of(
         {"Dense_0": {"kernel": jax.random.split(k, 6).reshape(2, 3), "bias": jnp.ones(3)}}
     )
     with pytest.raises(EncodeError) as e:
-        keys.refuse(model, "netcl")
+        tree.refuse_keys(model, "netcl")
     assert e.value.key_path == "layers[0].kernel"
 
 
@@ -263,7 +263,7 @@ def test_formats_without_keys_refuse_a_key_leaf_with_an_encode_error(
     fmt: str, tmp_path: Path
 ) -> None:
     """Saving a key into a format that cannot hold keys fails before writing, naming the key
-    (the API calls ``keys.refuse`` before any format sees the tree)."""
+    (the API calls ``tree.refuse_keys`` before any format sees the tree)."""
     k = jax.random.key(0)
     params = {"Dense_0": {"kernel": jax.random.split(k, 12).reshape(3, 4), "bias": jnp.zeros(4)}}
     for t, where in (

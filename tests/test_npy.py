@@ -1,4 +1,4 @@
-"""pytreeio.npy: numpy-identical .npy/.npz writing and bounded, hostile-safe reading."""
+"""pytreeio.containers.npy: numpy-identical .npy/.npz writing and bounded, hostile-safe reading."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import zlib
 import numpy as np
 import pytest
 
-from pytreeio import npy
-from pytreeio.binary import BufferSource, as_memoryview
-from pytreeio.errors import EncodeError, FormatError
+from pytreeio.containers import npy
+from pytreeio.containers import zip as zipfmt
+from pytreeio.core.binary import BufferSource, as_memoryview
+from pytreeio.core.errors import EncodeError, FormatError
 
 
 def ours(items: dict) -> bytes:
@@ -228,25 +229,22 @@ def test_hostile_npy_headers(header: str) -> None:
         npy.read_npy(member)
 
 
-def test_a_header_seen_before_parses_the_same_and_errors_keep_their_offsets() -> None:
+def test_a_header_read_again_parses_the_same_and_errors_keep_their_offsets() -> None:
     ok = "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }"
     member = _npy_with_header(ok, struct.pack("<2f", 1, 2))
     data_at = len(member) - 8
-    npy._PARSED.clear()
     assert npy.read_npy(member).tolist() == [1.0, 2.0]
-    assert len(npy._PARSED) == 1
-    assert npy.read_npy(member, start=7).tolist() == [1.0, 2.0]  # the remembered header
+    assert npy.read_npy(member, start=7).tolist() == [1.0, 2.0]
     with pytest.raises(FormatError, match="truncated") as info:
         npy.read_npy(member[:-4], start=100)  # same header, too little data
     assert info.value.offset == 100 + data_at
-    for cut in (9, 12, data_at - 1):  # the header itself cut short: never a remembered one
+    for cut in (9, 12, data_at - 1):  # the header itself cut short
         with pytest.raises(FormatError):
             npy.read_npy(member[:cut])
     bad = _npy_with_header(ok.replace("<f4", "<x9"), struct.pack("<2f", 1, 2))
-    for _ in range(2):  # failures are not remembered
+    for _ in range(2):
         with pytest.raises(FormatError, match="dtype"):
             npy.read_npy(bad, start=5)
-    assert len(npy._PARSED) == 1
 
 
 def test_npy_header_length_bound_and_versions() -> None:
@@ -311,12 +309,11 @@ def test_not_a_zip() -> None:
 
 
 # --------------------------------------------------------------------------
-# pytreeio.zip
+# pytreeio.containers.zip
 # --------------------------------------------------------------------------
 
 
 def test_member_names_reads_only_the_central_directory() -> None:
-    from pytreeio import zip as zipfmt
 
     data = ours({"a": np.zeros(1 << 16, np.float32), "b/c": np.ones(2), "é": np.ones(1)})
     src = BufferSource(data)
@@ -331,12 +328,7 @@ def test_member_names_reads_only_the_central_directory() -> None:
     assert zipfmt.member_names(BufferSource(_zip_of(b"x", "../up.npy"))) == ("../up.npy",)
 
 
-def test_zip_module_and_transitional_npy_names() -> None:
-    from pytreeio import zip as zipfmt
-
-    assert npy.read_zip_directory is zipfmt.read_zip_directory
-    assert npy.member_data is zipfmt.member_data
-    assert npy.check_member_name is zipfmt.check_member_name
+def test_zip_module() -> None:
     stored = b"".join(
         bytes(as_memoryview(c)) for c in zipfmt.encode_stored([("x.txt", [b"hello"])])
     )
@@ -394,16 +386,12 @@ def test_canonical_header_leaves_anything_unusual_to_the_general_path(text: str)
     assert npy._canonical_header(text) is None
 
 
-def test_crc_mismatch_is_found_in_any_of_many_members(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytreeio import crc
-
-    monkeypatch.setattr(crc, "PIECE", 1000)
-    monkeypatch.setattr(crc, "_PARALLEL_MIN", 1)
+def test_crc_mismatch_is_found_in_any_of_many_members() -> None:
     items = {f"a{i}": np.arange(i * 997, dtype=np.float32) for i in range(12)}
     data = ours(items)
     back = npy.read_npz(data)
     assert all(np.array_equal(back[k], v) for k, v in items.items())
-    members = npy.read_zip_directory(BufferSource(data))
+    members = zipfmt.read_zip_directory(BufferSource(data))
     for m in (members[3], members[11]):
         bad = bytearray(data)
         bad[m.data_offset + m.size - 1] ^= 0x40

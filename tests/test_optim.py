@@ -1,4 +1,4 @@
-"""pytreeio.optim: optax states <-> OptState, exact resume, build, strict mismatches."""
+"""pytreeio.model.optim: optax states <-> OptState, exact resume, build, strict mismatches."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 
-from pytreeio import optim  # noqa: E402
-from pytreeio.errors import FormatError, MismatchError  # noqa: E402
-from pytreeio.optim import OptState  # noqa: E402
+from pytreeio.core.errors import FormatError, MismatchError  # noqa: E402
+from pytreeio.model import optim  # noqa: E402
+from pytreeio.model.optim import OptState  # noqa: E402
 
 # --------------------------------------------------------------------------
 # a small Dense-like params tree, deterministic gradients, a jitted step
@@ -614,7 +614,5 @@ def test_json_helpers_unchanged() -> None:
 
 
 def test_import_does_not_load_jax() -> None:
-    code = (
-        "import sys, pytreeio.optim; assert 'jax' not in sys.modules and 'optax' not in sys.modules"
-    )
+    code = "import sys, pytreeio.model.optim; assert 'jax' not in sys.modules and 'optax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -26,7 +26,8 @@ ocp = pytest.importorskip("orbax.checkpoint")
 
 import pytreeio as ptio  # noqa: E402
 from pytreeio import async_save, io  # noqa: E402
-from pytreeio.errors import EncodeError, FormatError, MismatchError  # noqa: E402
+from pytreeio.core.binary import Deferred  # noqa: E402
+from pytreeio.core.errors import EncodeError, FormatError, MismatchError  # noqa: E402
 from pytreeio.orbax import (  # noqa: E402
     METADATA_NAME,
     PytreeioHandler,
@@ -36,7 +37,6 @@ from pytreeio.orbax import (  # noqa: E402
     _write,
     checkpoint_name,
 )
-from pytreeio.registry import Deferred  # noqa: E402
 
 
 class MLP(nn.Module):

@@ -1,11 +1,8 @@
 """Directories of several large files are written on one thread per core: same bytes, same atomicity.
 
 :func:`pytreeio.io._populate_dir` hands the files of a large directory
-encoding to :func:`pytreeio.pools.share` (largest first); each writing thread
-runs inside :func:`pytreeio.pools.taking_cores`, so a
-:class:`~pytreeio.transpose.Pipeline` makes its buffers on that thread
-instead of on helpers.  Thresholds are lowered so that small trees take the
-parallel path.
+encoding to :func:`pytreeio.core.threads.share` (largest first).  Thresholds are
+lowered so that small trees take the parallel path.
 """
 
 from __future__ import annotations
@@ -17,9 +14,10 @@ import numpy as np
 import pytest
 
 import pytreeio as ptio
-from pytreeio import io, pools, transpose
-from pytreeio.fmt import waffe2
-from pytreeio.registry import Deferred, Encoded
+from pytreeio import io
+from pytreeio.core.binary import Deferred
+from pytreeio.core.records import Encoded
+from pytreeio.formats.waffe2 import state_dict as waffe2
 
 
 @pytest.fixture
@@ -71,7 +69,6 @@ def test_files_are_written_by_several_threads_largest_first(
             threads[name] = threading.current_thread().name
             if name in ("big", "middle"):
                 gate.wait()  # the two largest are written at the same time
-            assert pools.cores_taken()
             return data
 
         return Deferred(len(data), produce)
@@ -88,7 +85,6 @@ def test_files_are_written_by_several_threads_largest_first(
     assert (dest / "small").read_bytes() == b"s"
     assert set(started[:2]) == {"big", "middle"} and started[2] == "small"
     assert threads["big"] != threads["middle"]
-    assert not pools.cores_taken()  # only the writing threads were marked
     assert _leftovers(tmp_path) == []
 
 
@@ -113,28 +109,6 @@ def test_a_failed_file_leaves_the_old_directory_and_no_temporary(
     assert sorted(p.name for p in dest.iterdir()) == ["big"]
     assert (dest / "big").read_bytes() == b"old"
     assert _leftovers(tmp_path) == []
-
-
-def test_pipeline_makes_buffers_on_a_thread_that_takes_the_cores() -> None:
-    made_on: list[int] = []
-
-    def maker(i: int) -> object:
-        def make() -> int:
-            made_on.append(threading.get_ident())
-            return i
-
-        return make
-
-    p = transpose.Pipeline([maker(i) for i in range(12)], depth=4, workers=2)
-    with pools.taking_cores():
-        assert pools.cores_taken()
-        with pools.taking_cores():  # nested: still marked after the inner block
-            pass
-        assert pools.cores_taken()
-        assert [p.take(i) for i in range(12)] == list(range(12))
-    assert not pools.cores_taken()
-    assert set(made_on) == {threading.get_ident()}  # nothing made ahead on the pool
-    assert p._active == 0
 
 
 @pytest.mark.parametrize("dtype", ["<f4", ">f8", "<i2"])

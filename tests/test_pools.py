@@ -1,4 +1,4 @@
-"""pytreeio.pools: one lazily made pool per use, sized by the process's cores."""
+"""pytreeio.core.threads: lazily made pools sized by the process's cores, and share."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from pytreeio import crc, io, pools, transpose
+from pytreeio.core import threads as pools
 
 
 def test_lazy_pool_is_made_once_with_its_size_and_names() -> None:
@@ -33,9 +33,7 @@ def test_cores_follow_the_affinity_and_every_per_core_pool_uses_them() -> None:
     assert 1 <= n <= pools.MAX_THREADS
     if hasattr(os, "sched_getaffinity"):
         assert n == min(pools.MAX_THREADS, len(os.sched_getaffinity(0)))
-    assert transpose.threads() == crc.threads() == n
-    assert transpose.pool()._max_workers == crc.pool()._max_workers == n
-    assert io.read_pool()._max_workers == 4  # the reads: page faults in parallel
+    assert pools.pool()._max_workers == n
 
 
 def limit_threads(monkeypatch: pytest.MonkeyPatch, allowed: int) -> list[str]:
@@ -72,7 +70,6 @@ def test_jobs_run_once_on_the_caller_when_no_thread_can_start(
     assert pool.submit(job, 5).result() == 25
     pool.shutdown(wait=True)
     assert len(runs) == 6
-    assert pools.start_daemon(lambda: None, "x") is not None
 
 
 def test_jobs_go_to_the_threads_that_could_start(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,7 +88,6 @@ def test_jobs_go_to_the_threads_that_could_start(monkeypatch: pytest.MonkeyPatch
     assert [f.result(timeout=5) for f in futures] == list(range(6))
     assert sorted(runs) == list(range(6)) and refused  # each exactly once
     pool.shutdown(wait=True)
-    assert pools.start_daemon(lambda: None, "pytreeio-test-daemon") is None  # caller does the work
     with pytest.raises(RuntimeError):
         pool.submit(job, 7)  # after shutdown: still an error
 
@@ -100,8 +96,8 @@ def test_jobs_go_to_the_threads_that_could_start(monkeypatch: pytest.MonkeyPatch
 
 
 def test_shared_jobs_run_once_each_in_order_of_results() -> None:
-    pool = crc.pool()
-    for workers in (2, crc.threads() + 1):
+    pool = pools.pool()
+    for workers in (2, pools.cores() + 1):
         assert pools.share(pool, workers, lambda j: j * j, list(range(100))) == [
             j * j for j in range(100)
         ]
@@ -110,12 +106,12 @@ def test_shared_jobs_run_once_each_in_order_of_results() -> None:
 def test_shared_jobs_finish_on_this_thread_when_the_pool_is_busy() -> None:
     import threading
 
-    pool = crc.pool()
+    pool = pools.pool()
     release = threading.Event()
-    busy = [pool.submit(release.wait) for _ in range(crc.threads())]
+    busy = [pool.submit(release.wait) for _ in range(pools.cores())]
     try:
         # every pool thread blocked: the helpers never start, this thread does every job
-        assert pools.share(pool, crc.threads() + 1, lambda j: j + 1, list(range(50))) == list(
+        assert pools.share(pool, pools.cores() + 1, lambda j: j + 1, list(range(50))) == list(
             range(1, 51)
         )
     finally:
@@ -141,7 +137,7 @@ def test_a_failed_job_stops_the_others_and_none_runs_after(failing: int) -> None
         return j
 
     with pytest.raises(OSError, match=f"job {failing}"):
-        pools.share(crc.pool(), 2, job, list(range(200)))
+        pools.share(pools.pool(), 2, job, list(range(200)))
     done.set()
     time.sleep(0.05)
     assert -1 not in ran and len(ran) < 199  # the jobs after the failure were not taken

@@ -1,4 +1,4 @@
-"""pytreeio.quant: jit quantisation against a numpy float64 reference, buckets, transposes."""
+"""pytreeio.core.quant: jit quantisation (whole, and host blocks) against float64 references, buckets, transposes."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from pytreeio import quant
-from pytreeio.errors import PytreeioError, QuantisationError
+from pytreeio.core import quant
+from pytreeio.core.errors import PytreeioError, QuantisationError
 
 LIMITS = {name: np.iinfo(dt) for name, dt in quant.INT_TYPES.items()}
 
@@ -223,6 +223,147 @@ def test_any_bit_pattern_against_reference(raw: bytes, case: tuple[str, int], rn
 
 
 # --------------------------------------------------------------------------
+# host memory in blocks (padded to shared shapes) against the float64 definition
+# --------------------------------------------------------------------------
+
+HOST_CASES = [*CASES, ("i16", 2**24 - 1), ("i16", 2**24 + 1), ("i32", 255)]
+
+
+def definition(x: np.ndarray, scale: int, type_name: str, rnd: bool) -> tuple[np.ndarray, bool]:
+    """``(q, every value fits)``: the float64 product, trunc or half-away rounding (exact steps)."""
+    with np.errstate(all="ignore"):
+        v = x.astype(np.float64) * np.float64(scale)
+        t = np.trunc(v)
+        if rnd:
+            t += np.where(np.abs(v - t) >= 0.5, np.sign(v), 0.0)
+        info = LIMITS[type_name]
+        fits = (t >= info.min) & (t <= info.max)
+        return np.where(fits, t, 0).astype(quant.INT_TYPES[type_name]), bool(fits.all())
+
+
+def fitting(x: np.ndarray, scale: int, type_name: str, rnd: bool) -> np.ndarray:
+    """``x`` with every value that does not fit replaced by 0."""
+    with np.errstate(all="ignore"):
+        v = x.astype(np.float64) * scale
+        t = np.trunc(v)
+        if rnd:
+            t += np.where(np.abs(v - t) >= 0.5, np.sign(v), 0.0)
+    info = LIMITS[type_name]
+    return np.where((t >= info.min) & (t <= info.max), x, np.float32(0))
+
+
+def adversarial(scale: int, type_name: str) -> np.ndarray:
+    """float32 values whose product lies on, or one ulp off, every integer and half-integer edge."""
+    info = LIMITS[type_name]
+    top = min(float(info.max), 2.0**24)
+    ks = np.concatenate([np.arange(-40, 41), np.geomspace(1, top, 60), -np.geomspace(1, top, 60)])
+    edges = np.concatenate([ks, ks + 0.5, [info.max, info.min, info.max + 0.5, info.min - 0.5]])
+    centre = (edges / scale).astype(np.float32)
+    xs = [centre]
+    up, down = centre.copy(), centre.copy()
+    for _ in range(3):
+        up = np.nextafter(up, np.float32(np.inf))
+        down = np.nextafter(down, np.float32(-np.inf))
+        xs += [up, down]
+    tiny = np.float32([0.0, -0.0, 1e-45, -1e-45, 1e-38, -1e-38, 1.1754942e-38])
+    return np.concatenate([*xs, tiny])
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 64 values, padded to 16 or more: every path on small arrays."""
+    monkeypatch.setattr(quant, "BLOCK", 64)
+    monkeypatch.setattr(quant, "_MIN_BLOCK", 16)
+
+
+@pytest.mark.parametrize("type_name,scale", HOST_CASES)
+@pytest.mark.parametrize("rnd", [False, True])
+@pytest.mark.parametrize("blocks", ["one", "many"])
+def test_adversarial_against_definition(
+    type_name: str, scale: int, rnd: bool, blocks: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if blocks == "many":
+        monkeypatch.setattr(quant, "BLOCK", 64)
+        monkeypatch.setattr(quant, "_MIN_BLOCK", 16)
+    x = fitting(adversarial(scale, type_name), scale, type_name, rnd)
+    x = x[np.random.default_rng(scale).permutation(x.size)]  # edges spread over the blocks
+    want, ok = definition(x, scale, type_name, rnd)
+    assert ok
+    assert np.array_equal(quant.quantise(x, scale, type_name, round=rnd), want)
+    x2 = x[: x.size // 7 * 7].reshape(-1, 7)
+    t = quant.quantise(x2, scale, type_name, round=rnd, transpose=True)
+    assert t.flags.c_contiguous and np.array_equal(t, want[: x2.size].reshape(-1, 7).T)
+    checked = quant.check_quantisable(x2, scale, type_name, round=rnd)
+    q = quant.quantise_async(checked, scale, type_name, round=rnd, transpose=True).result()
+    assert q.tobytes() == t.tobytes()
+
+
+@pytest.mark.parametrize("type_name,scale", [("i8", 127), ("i16", 255), ("i32", 2**20 + 1)])
+@pytest.mark.parametrize("rnd", [False, True])
+def test_dense_bit_ranges(type_name: str, scale: int, rnd: bool) -> None:
+    """Every float32 in 2**18-wide bit ranges at 1/Q, 0.5/Q and near the type's top."""
+    info = LIMITS[type_name]
+    xs = []
+    for centre in (1 / scale, 0.5 / scale, 1.0078431, (info.max - 0.5) / scale):
+        start = int(np.float32(centre).view(np.int32)) - (1 << 17)
+        bits = np.arange(start, start + (1 << 18), dtype=np.int32)
+        xs += [bits.view(np.float32), -bits.view(np.float32)]
+    x = fitting(np.concatenate(xs), scale, type_name, rnd)
+    want, _ = definition(x, scale, type_name, rnd)
+    assert np.array_equal(quant.quantise(x, scale, type_name, round=rnd), want)
+
+
+@pytest.mark.parametrize("type_name,scale", HOST_CASES)
+@pytest.mark.parametrize("rnd", [False, True])
+def test_random_bit_patterns(type_name: str, scale: int, rnd: bool, small_blocks: None) -> None:
+    rng = np.random.default_rng(scale + rnd)
+    x = rng.integers(0, 2**32, 20_000, dtype=np.uint32).view(np.float32)
+    x = fitting(x, scale, type_name, rnd)  # NaN, inf and huge values become 0
+    x[::3] = rng.uniform(-1, 1, x[::3].size).astype(np.float32) * np.float32(1000 / scale)
+    x = fitting(x, scale, type_name, rnd)
+    want, ok = definition(x, scale, type_name, rnd)
+    assert ok
+    assert np.array_equal(quant.quantise(x, scale, type_name, round=rnd), want)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 1e6, -1e6])
+@pytest.mark.parametrize("where", [0, 200, 575])
+def test_errors_name_the_first_element(bad: float, where: int, small_blocks: None) -> None:
+    x = np.random.default_rng(2).uniform(-1, 1, 576).astype(np.float32)
+    x[where] = bad
+    x[where + 1 :: 97] = bad
+    for call in (
+        lambda: quant.quantise(x, 255, "i16", round=True, name="w"),
+        lambda: quant.check_quantisable(x, 255, "i16", round=True, name="w"),
+    ):
+        with pytest.raises(QuantisationError) as info:
+            call()
+        assert (info.value.tensor, info.value.index) == ("w", where)
+
+
+def test_sizes_share_a_few_compiled_shapes(small_blocks: None) -> None:
+    # padded blocks: 1..300 values compile 16, 32 and 64 only, not one kernel per size
+    kernel = quant._values_kernel("i8", True)
+    before = kernel._cache_size()
+    rng = np.random.default_rng(6)
+    for n in range(1, 301):
+        x = rng.uniform(-1, 1, n).astype(np.float32)
+        assert np.array_equal(
+            quant.quantise(x, 100, "i8", round=True), definition(x, 100, "i8", True)[0]
+        )
+    assert kernel._cache_size() - before <= 3
+
+
+def test_jax_array_on_the_host() -> None:
+    import jax.numpy as jnp
+
+    x = np.random.default_rng(4).uniform(-3, 3, (50, 30)).astype(np.float32)
+    want, _ = definition(x, 255, "i16", True)
+    q = quant.quantise(jnp.asarray(x), 255, "i16", round=True, transpose=True)
+    assert np.array_equal(q, want.T)
+
+
+# --------------------------------------------------------------------------
 # dequantisation, buckets, transposes
 # --------------------------------------------------------------------------
 
@@ -276,7 +417,7 @@ def test_a_numpy_transpose_does_not_import_jax() -> None:
     # transposed on the host unless jax is already in use.
     code = (
         "import sys, numpy as np\n"
-        "from pytreeio import quant\n"
+        "from pytreeio.core import quant\n"
         "x = np.arange(6 * 5, dtype='>f4').reshape(6, 5)\n"
         "y = quant.transpose(x, (1, 0))\n"
         "assert y.dtype == np.dtype('<f4') and y.flags.c_contiguous\n"

@@ -38,12 +38,13 @@ import pytest
 from flax.training import train_state
 
 import pytreeio as ptio
-from pytreeio import optim
-from pytreeio.errors import MismatchError
-from pytreeio.fmt.datacode import empty_training
-from pytreeio.rules import datacode as dc_rules
-from pytreeio.rules.bullet import bullet_adamw
-from pytreeio.rules.waffe2 import waffe2_adam
+from pytreeio.core.errors import MismatchError
+from pytreeio.formats.datacode import training as dc_training
+from pytreeio.formats.datacode.nn import empty_training
+from pytreeio.model import optim
+from pytreeio.model.rules import datacode as dc_rules
+from pytreeio.model.rules.bullet import bullet_adamw
+from pytreeio.model.rules.waffe2 import waffe2_adam
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 N, M = 3, 2
@@ -220,10 +221,10 @@ FOREIGN = {
         lambda: optax.inject_hyperparams(optax.sgd)(learning_rate=5e-2),
         {"optimizers": True},
     ),
-    # cl-waffe2's own Adam rule (pytreeio.rules.waffe2) resumes exactly too
+    # cl-waffe2's own Adam rule (pytreeio.model.rules.waffe2) resumes exactly too
     "waffe2-own-adam": ("waffe2", lambda: waffe2_adam(lr=1e-2), {"optimizers": True}),
     "bullet-adamw": ("bullet", lambda: optax.adamw(1e-2, weight_decay=1e-3), {}),
-    # bullet's own AdamW rule (pytreeio.rules.bullet) keeps the same two moments
+    # bullet's own AdamW rule (pytreeio.model.rules.bullet) keeps the same two moments
     "bullet-own-adamw": ("bullet", lambda: bullet_adamw(1e-2), {}),
 }
 
@@ -311,7 +312,7 @@ def _hyper_bits(state: Any) -> dict[str, bytes]:
 def test_datacode_keeps_hyperparameters_and_starts_fresh(name: str, tmp_path: Path) -> None:
     tx = DATACODE[name]()
     middle = trainer(tx)(start_of(tx), N)
-    record = dc_rules.stage_record(
+    record = dc_training.stage_record(
         middle["opt_state"],
         middle["params"],
         epochs=1,
@@ -321,7 +322,7 @@ def test_datacode_keeps_hyperparameters_and_starts_fresh(name: str, tmp_path: Pa
     )
     doc = {"layers": ["Linear", "ReLU", "Linear"], "device": "cpu", "training": empty_training()}
     path = tmp_path / "model.nn"
-    ptio.save(path, middle["params"], meta=dc_rules.with_stage(doc, record))
+    ptio.save(path, middle["params"], meta=dc_training.with_stage(doc, record))
     # the file holds no moments: an optimizer state cannot be restored from it
     with pytest.raises(MismatchError, match="no optimizer state"):
         ptio.load(
@@ -333,8 +334,8 @@ def test_datacode_keeps_hyperparameters_and_starts_fresh(name: str, tmp_path: Pa
     # DataCode's own rule, with DataCode's parameter names ...
     rebuilt = dc_rules.datacode_optimizer(meta)
     fresh = rebuilt.init(params)
-    # ... and the stock optax optimizer of the same kind (pytreeio.optim.build)
-    stage = dc_rules.optim_state(meta)
+    # ... and the stock optax optimizer of the same kind (pytreeio.model.optim.build)
+    stage = dc_training.optim_state(meta)
     stock = optim.build(stage.kind, stage.hyperparams).init(params)
     original = tx.init(PARAMS)
     if name == "datacode-adam":

@@ -1,4 +1,4 @@
-"""pytreeio.rules._ieee: division, square root and powers rounded as IEEE 754 / libm round them,
+"""pytreeio.model.rules._ieee: division, square root and powers rounded as IEEE 754 / libm round them,
 under jax.jit, on whichever backend runs the tests (CPU here, CUDA on a GPU machine)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pytreeio.rules import _ieee
+from pytreeio.model.rules import _ieee
 
 F32 = np.float32
 BACKEND = jax.default_backend()

@@ -1,4 +1,4 @@
-"""Sharded arrays (:mod:`pytreeio.sharding`): geometry, saves in parts, 8-device and 2-process runs.
+"""Sharded arrays (:mod:`pytreeio.multihost`): geometry, saves in parts, 8-device and 2-process runs.
 
 The test processes run jax with one CPU device, so the checks that need 8
 devices run in a fresh interpreter (``tests/sharding_cases.py``, one case per
@@ -25,8 +25,9 @@ from hypothesis import strategies as st
 from thread_group import run_threads
 
 import pytreeio as ptio
-from pytreeio import sharding
-from pytreeio.errors import PytreeioError
+from pytreeio import multihost
+from pytreeio.core import shards
+from pytreeio.core.errors import PytreeioError
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -63,7 +64,7 @@ def test_c_runs_cover_exactly_the_block(block: Any, itemsize: int) -> None:
     shape, region = block
     arr = np.arange(int(np.prod(shape)) * itemsize, dtype=np.uint64).astype(np.uint8)
     flat = arr.reshape(-1)
-    offsets, run = sharding.c_runs(shape, itemsize, region)
+    offsets, run = shards.c_runs(shape, itemsize, region)
     got = b"".join(flat[o : o + run].tobytes() for o in offsets.tolist())
     elements = flat.view(np.uint8).reshape(*shape, itemsize) if shape else flat
     want = elements[tuple(slice(a, b) for a, b in region)].tobytes() if shape else flat.tobytes()
@@ -72,17 +73,17 @@ def test_c_runs_cover_exactly_the_block(block: Any, itemsize: int) -> None:
 
 
 def test_c_runs_leading_axis_is_one_run() -> None:
-    offsets, run = sharding.c_runs((8, 3, 4), 4, ((2, 4), (0, 3), (0, 4)))
+    offsets, run = shards.c_runs((8, 3, 4), 4, ((2, 4), (0, 3), (0, 4)))
     assert offsets.tolist() == [2 * 48] and run == 2 * 48
-    offsets, run = sharding.c_runs((8, 3, 4), 4, ((2, 4), (1, 2), (0, 4)))
+    offsets, run = shards.c_runs((8, 3, 4), 4, ((2, 4), (1, 2), (0, 4)))
     assert offsets.tolist() == [2 * 48 + 16, 3 * 48 + 16] and run == 16
 
 
 def test_region_of_jax_style_index() -> None:
-    assert sharding.region_of((slice(None), slice(2, 4)), (6, 8)) == ((0, 6), (2, 4))
-    assert sharding.region_of((), (3,)) == ((0, 3),)
+    assert shards.region_of((slice(None), slice(2, 4)), (6, 8)) == ((0, 6), (2, 4))
+    assert shards.region_of((), (3,)) == ((0, 3),)
     with pytest.raises(ValueError):
-        sharding.region_of((slice(0, 6, 2),), (6,))
+        shards.region_of((slice(0, 6, 2),), (6,))
 
 
 # --------------------------------------------------------------------------
@@ -109,7 +110,7 @@ def test_save_in_parts_of_host_arrays_equals_save(tmp_path: Path, fmt: str) -> N
     """Nothing sharded: the primary writes everything, the file is what ``save`` writes."""
     tree: dict[str, Any] = {"a": np.arange(12.0).reshape(3, 4), "b": {"0": np.arange(3), "1": 2.5}}
     dest = tmp_path / f"ckpt.{fmt}"
-    results = run_threads(3, lambda c: sharding.save_in_parts(dest, tree, fmt, coordinator=c))
+    results = run_threads(3, lambda c: multihost.save_in_parts(dest, tree, fmt, coordinator=c))
     assert results == [None, None, None]
     ptio.save(tmp_path / f"plain.{fmt}", tree, fmt)
     assert dest.read_bytes() == (tmp_path / f"plain.{fmt}").read_bytes()
@@ -121,7 +122,7 @@ def test_save_in_parts_of_a_sibling_format_is_written_by_the_primary(tmp_path: P
     tree = {"params": [np.ones(2, np.float32)]}
     dest = tmp_path / "ck"
     results = run_threads(
-        2, lambda c: sharding.save_in_parts(dest, tree, "netcl-checkpoint", coordinator=c)
+        2, lambda c: multihost.save_in_parts(dest, tree, "netcl-checkpoint", coordinator=c)
     )
     assert results == [None, None]
     ptio.save(tmp_path / "plain", tree, format="netcl-checkpoint")
@@ -140,12 +141,12 @@ def test_save_in_parts_failure_keeps_old_checkpoint(tmp_path: Path) -> None:
     bad = {"a": np.ones(3), "x": object()}
     results = run_threads(
         2,
-        lambda c: sharding.save_in_parts(
+        lambda c: multihost.save_in_parts(
             dest, bad if c.process_index == 1 else good, coordinator=c
         ),
     )
     for r in results:
-        assert isinstance(r, sharding.PartsError) and isinstance(r, PytreeioError)
+        assert isinstance(r, multihost.PartsError) and isinstance(r, PytreeioError)
         assert "process 1" in str(r) and "EncodeError" in str(r)
         assert r.path == os.fspath(dest)
     assert dest.read_bytes() == before
@@ -155,10 +156,10 @@ def test_save_in_parts_primary_failure_reaches_everyone(tmp_path: Path) -> None:
     """The primary cannot create the temporary (no such directory): every process raises."""
     dest = tmp_path / "missing" / "ckpt.safetensors"
     results = run_threads(
-        2, lambda c: sharding.save_in_parts(dest, {"a": np.ones(3)}, coordinator=c)
+        2, lambda c: multihost.save_in_parts(dest, {"a": np.ones(3)}, coordinator=c)
     )
     for r in results:
-        assert isinstance(r, sharding.PartsError), r
+        assert isinstance(r, multihost.PartsError), r
         assert "process 0" in str(r) and "create" in str(r)
 
 
@@ -169,7 +170,7 @@ def test_load_with_unsharded_like_is_unchanged(tmp_path: Path) -> None:
     value = np.arange(12, dtype=np.float32).reshape(3, 4)
     ptio.save(tmp_path / "a.safetensors", {"w": value})
     like = {"w": jax.ShapeDtypeStruct((3, 4), np.float32, sharding=_one_device())}
-    assert not sharding.wants_slices(like)
+    assert not shards.wants_slices(like)
     out = ptio.load(tmp_path / "a.safetensors", like=like)
     assert isinstance(out["w"], jax.Array) and np.array_equal(np.asarray(out["w"]), value)
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import pytreeio as ptio
-from pytreeio import conversion
-from pytreeio.registry import Derived, Streamed
+from pytreeio.core.binary import Derived, Streamed
+from pytreeio.engine import conversion
 
 
 @pytest.fixture

@@ -22,9 +22,11 @@ import numpy as np
 import pytest
 
 import pytreeio as ptio
-from pytreeio import conversion, io
-from pytreeio.checksum import array_checksum
-from pytreeio.registry import Deferred, Siblings, Streamed
+from pytreeio import io
+from pytreeio.core.binary import Deferred, Streamed
+from pytreeio.core.digest import array_checksum
+from pytreeio.core.records import Siblings
+from pytreeio.engine import conversion
 
 # --------------------------------------------------------------------------
 # helpers
@@ -295,7 +297,7 @@ def test_a_source_changed_underneath_fails_cleanly(
 ) -> None:
     """A tensor that cannot be read when its turn comes fails the save; nothing is left behind."""
     if to == "waffe2:bands":  # the transposed weight copied in bands from one read
-        from pytreeio.fmt import waffe2
+        from pytreeio.formats.waffe2 import state_dict as waffe2
 
         monkeypatch.setattr(waffe2, "_BAND_BYTES", 16 << 10)
         to = "waffe2"
@@ -336,9 +338,8 @@ CHILD = textwrap.dedent(
     """
     import json, sys
     import pytreeio as ptio
-    from pytreeio import fmt
 
-    fmt.load()  # every format module imported before the baseline
+    ptio.formats()  # every format module imported before the baseline
 
     def status(key):
         for line in open("/proc/self/status"):
@@ -468,7 +469,7 @@ def write_big_tinyllama(path: Path) -> dict[str, np.ndarray]:
 
     Returns the filled matrices by key path.
     """
-    from pytreeio.fmt import tinyllama
+    from pytreeio.formats import tinyllama
 
     records = list(tinyllama._records(LLAMA))
     filled = {0: records[0], len(records) - 1: records[-1]}

@@ -24,11 +24,11 @@ import pytest
 from test_streaming_convert import files_of
 
 import pytreeio as ptio
-from pytreeio import npy
-from pytreeio import zip as zipfmt
-from pytreeio.binary import BufferSource
-from pytreeio.errors import EncodeError
-from pytreeio.registry import Deferred, Encoded, Slot, Streamed
+from pytreeio.containers import npy
+from pytreeio.containers import zip as zipfmt
+from pytreeio.core.binary import BufferSource, Deferred, Slot, Streamed
+from pytreeio.core.errors import EncodeError
+from pytreeio.core.records import Encoded
 
 IN, OUT, LAYERS = 384, 256, 12  # 384 KiB kernels, 4.5 MiB in all
 TENSOR = IN * OUT * 4
@@ -166,7 +166,7 @@ TRANSPOSED_INTO_WAFFE2 = {"safetensors", "netcl", "netcl-params", "bullet"}
 def test_waffe2_transposes_streamed_tensors_band_by_band(
     sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, src: str
 ) -> None:
-    from pytreeio.fmt import waffe2
+    from pytreeio.formats.waffe2 import state_dict as waffe2
 
     monkeypatch.setattr(waffe2, "_BAND_BYTES", 32 << 10)  # a dozen bands per kernel
     reads: list[Any] = []

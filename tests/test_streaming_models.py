@@ -18,7 +18,7 @@ from test_convert_matrix import CELLS, conversion_options, expected, files, fmt_
 from test_streaming_convert import files_of, streams
 
 import pytreeio as ptio
-from pytreeio.registry import Siblings
+from pytreeio.core.records import Siblings
 
 pytestmark = pytest.mark.usefixtures("every_slot_streams")
 

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from tinyllama_data import random_tree
 
 import pytreeio as ptio
-from pytreeio import registry
-from pytreeio.binary import BufferSource
-from pytreeio.errors import EncodeError, FormatError, MismatchError
-from pytreeio.fmt import tinyllama as tl
-from pytreeio.registry import FILE, MAGIC, Probe
+from pytreeio.core.binary import BufferSource
+from pytreeio.core.errors import EncodeError, FormatError, MismatchError
+from pytreeio.core.records import FILE, MAGIC, Probe
+from pytreeio.formats import registry
+from pytreeio.formats import tinyllama as tl
 
 CONFORMANCE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "tinyllama"
 WEIGHTS = CONFORMANCE / "weights.bin"
@@ -169,7 +169,7 @@ def test_sniff() -> None:
 
 
 def test_registered_without_claiming_bin() -> None:
-    # (pytreeio.registry, not ptio.formats: importing the pytreeio.fmt package
+    # (pytreeio.formats.registry, not ptio.formats: importing the pytreeio.fmt package
     # rebinds that attribute of pytreeio to the subpackage)
     fmt = registry.get("tinyllama")
     assert fmt.layout is FILE and fmt.accepts_meta and fmt.keeps_meta

@@ -14,7 +14,7 @@ pytest.importorskip("flax")
 import jax
 
 import pytreeio as ptio
-from pytreeio.fmt import tinyllama as tl
+from pytreeio.formats import tinyllama as tl
 from pytreeio.models import tinyllama as model
 
 WEIGHTS = CONFORMANCE / "tinyllama" / "weights.bin"

@@ -15,7 +15,7 @@ from conftest import assert_bits_equal, keys, trees
 from hypothesis import assume, given
 
 import pytreeio as ptio
-from pytreeio.tree import key_string, parse_key_string, restore
+from pytreeio.core.tree import key_string, parse_key_string, restore
 
 components = st.one_of(
     keys,
@@ -189,7 +189,7 @@ def _ids(leaves: Any) -> list[int]:
 
 @given(trees())
 def test_leaf_values_are_the_leaves_iter_leaves_yields(tree: Any) -> None:
-    from pytreeio.tree import iter_leaves, leaf_values
+    from pytreeio.core.tree import iter_leaves, leaf_values
 
     assert _ids(leaf_values(tree)) == _ids(leaf for _, leaf in iter_leaves(tree))
 
@@ -197,7 +197,7 @@ def test_leaf_values_are_the_leaves_iter_leaves_yields(tree: Any) -> None:
 def test_leaf_values_walk_every_kind_of_node() -> None:
     """Plain containers take the fast walk; the rest (namedtuples, mappings, jax nodes,
     optax states) go through node_children, with the same leaves as iter_leaves."""
-    from pytreeio.tree import iter_leaves, leaf_values
+    from pytreeio.core.tree import iter_leaves, leaf_values
 
     a, b, c = np.zeros(2), np.ones(3), np.float32(2.0)
     tree = {
@@ -222,14 +222,14 @@ def test_a_typed_key_deep_in_plain_containers_is_still_refused(tmp_path: Any) ->
 
 
 def _flatten_by_paths(tree: Any) -> list[tuple[str, int]]:
-    from pytreeio.tree import iter_leaves
+    from pytreeio.core.tree import iter_leaves
 
     return [(key_string(path), id(leaf)) for path, leaf in iter_leaves(tree)]
 
 
 @given(trees())
 def test_flatten_keys_and_order_are_iter_leaves(tree: Any) -> None:
-    from pytreeio.tree import flatten
+    from pytreeio.core.tree import flatten
 
     assert [(k, id(v)) for k, v in flatten(tree).items()] == _flatten_by_paths(tree)
 
@@ -237,8 +237,8 @@ def test_flatten_keys_and_order_are_iter_leaves(tree: Any) -> None:
 def test_flatten_mixed_nodes_and_awkward_keys() -> None:
     """Plain containers walked directly, other nodes through iter_leaves beneath them, escaped
     and integer keys, a leaf at the root, and the same refusal of keys no path can name."""
-    from pytreeio.registry import Slot
-    from pytreeio.tree import flatten
+    from pytreeio.core.binary import Slot
+    from pytreeio.core.tree import flatten
 
     a = np.zeros(2)
     tree = {

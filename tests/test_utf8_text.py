@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import pytreeio as ptio
-from pytreeio import binary
+from pytreeio.core import binary
 
 
 def _first_bad(data: bytes) -> tuple[str, int] | None:
@@ -79,11 +79,11 @@ def test_bullet_text_files_and_json_documents_report_the_offset(tmp_path: Path) 
     step = dest / "optimiser_state" / "step.txt"
     good = step.read_bytes()
     step.write_bytes(good + b"\xff")
-    with pytest.raises(ptio.errors.FormatError) as info:
+    with pytest.raises(ptio.FormatError) as info:
         ptio.load(dest, format="bullet")
     assert info.value.offset == len(good) and "step.txt" in str(info.value)
     from pytreeio import jsonsafe
 
-    with pytest.raises(ptio.errors.FormatError) as info:
+    with pytest.raises(ptio.FormatError) as info:
         jsonsafe.loads(b'{"a": "\xc3("}', path="x.json", field="doc", offset=100)
     assert info.value.offset == 100 + 7  # the \xc3 that starts no character

@@ -24,10 +24,9 @@ from conftest import CONFORMANCE
 from hypothesis import given
 
 import pytreeio as ptio
-from pytreeio import model as M
-from pytreeio import npy
-from pytreeio.binary import BufferSource
-from pytreeio.errors import (
+from pytreeio.containers import npy
+from pytreeio.core.binary import BufferSource
+from pytreeio.core.errors import (
     ConversionError,
     EncodeError,
     FormatError,
@@ -35,9 +34,10 @@ from pytreeio.errors import (
     PytreeioError,
     PytreeioWarning,
 )
-from pytreeio.fmt import waffe2 as w
-from pytreeio.fmt import waffe2_keys as wk
-from pytreeio.registry import STRUCTURE, Probe
+from pytreeio.core.records import STRUCTURE, Probe
+from pytreeio.formats.waffe2 import keys as wk
+from pytreeio.formats.waffe2 import state_dict as w
+from pytreeio.model import form as M
 
 DIRS = [
     "tiny_untrained.wf2model",
@@ -762,7 +762,7 @@ def flax_train(step: Any, steps: int, state: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("how", ["inject", "given", "waffe2_adam", "sgd"])
 def test_exact_resume_through_waffe2(how: str, tmp_path: Path) -> None:
-    from pytreeio.rules.waffe2 import waffe2_adam
+    from pytreeio.model.rules.waffe2 import waffe2_adam
 
     params = tiny_params()
     options: dict[str, Any] = {"optimizers": True}
@@ -1212,7 +1212,7 @@ def test_read_ahead_in_runs_reports_a_bad_file_at_its_own_entry(tmp_path: Path) 
 
 
 def test_integer_type_specifiers_are_whole_texts() -> None:
-    from pytreeio.fmt import waffe2_keys
+    from pytreeio.formats.waffe2 import keys as waffe2_keys
 
     assert waffe2_keys.parse_type_specifier("(integer 0 3)").kind == "integer"
     with pytest.raises(FormatError, match="unknown type specifier"):

@@ -1,4 +1,4 @@
-"""cl-waffe2's Adam as an optax transformation (``pytreeio.rules.waffe2.waffe2_adam``)."""
+"""cl-waffe2's Adam as an optax transformation (``pytreeio.model.rules.waffe2.waffe2_adam``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import optax
 import pytest
 
 import pytreeio as ptio
-from pytreeio import optim
-from pytreeio.rules.waffe2 import scale_by_waffe2_adam, waffe2_adam
+from pytreeio.model import optim
+from pytreeio.model.rules.waffe2 import scale_by_waffe2_adam, waffe2_adam
 
 F32 = np.float32
 

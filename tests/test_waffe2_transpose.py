@@ -1,22 +1,21 @@
-"""Multi-threaded and pipelined transposes give numpy's ``.T.copy()`` bit for bit.
+"""Tiled, multi-threaded transposes give numpy's ``.T.copy()`` bit for bit.
 
-:func:`pytreeio.transpose.copy_transposed` splits large copies over the
-cores, :class:`pytreeio.transpose.Pipeline` makes bands ahead of a writer, and
-cl-waffe2 saves write kernels through both and loads them back as transposed
-views: every result is compared with numpy's own transpose.
+:func:`pytreeio.core.transpose.copy_transposed` splits large copies over the
+cores, and cl-waffe2 saves write kernels through it band by band and load
+them back as transposed views: every result is compared with numpy's own
+transpose.
 """
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import pytreeio as ptio
-from pytreeio import transpose
-from pytreeio.fmt import waffe2
+from pytreeio.core import binary, transpose
+from pytreeio.formats.waffe2 import state_dict as waffe2
 
 DTYPES = ["<f4", ">f4", "<f8", ">f8", "<f2", "<i1", "<i2", ">i4", "<i8", "<u1", "|b1"]
 SHAPES = [(1, 1), (1, 37), (37, 1), (17, 33), (33, 17), (300, 5), (5, 300), (513, 1031)]
@@ -30,29 +29,26 @@ def _random(shape: tuple[int, ...], dtype: str, seed: int = 0) -> np.ndarray:
     return raw.view(dtype).reshape(shape)
 
 
-# every test on the numpy path and on the compiled kernels (at every size)
-pytestmark = pytest.mark.usefixtures("kernel_backend")
-
-
 @pytest.fixture
 def parallel_always(monkeypatch: pytest.MonkeyPatch) -> None:
     """Split every copy over several threads, however small (the default waits for 1 MiB)."""
     monkeypatch.setattr(transpose, "_PARALLEL_MIN", 0)
-    monkeypatch.setattr(transpose, "threads", lambda: 3)
+    monkeypatch.setattr(transpose, "cores", lambda: 3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("parallel", [True, False])
 def test_copy_transposed_matches_numpy(
-    shape: tuple[int, int], dtype: str, parallel_always: None
+    shape: tuple[int, int], dtype: str, parallel: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(transpose, "_PARALLEL_MIN", 0 if parallel else 1 << 60)
+    monkeypatch.setattr(transpose, "cores", lambda: 3)
     a = _random(shape, dtype)
     want = a.T.copy()
-    for parallel in (True, False):
-        out = np.empty(a.T.shape, a.dtype)
-        out.fill(0)
-        transpose.copy_transposed(a.T, out, parallel=parallel)
-        assert out.tobytes() == want.tobytes()
+    out = np.zeros(a.T.shape, a.dtype)
+    transpose.copy_transposed(a.T, out)
+    assert out.tobytes() == want.tobytes()
     little = np.empty(a.T.shape, a.dtype.newbyteorder("<"))
     transpose.copy_transposed(a.T, little)  # a byte-order change on the way
     assert little.tobytes() == want.astype(little.dtype).tobytes()  # a byte swap keeps NaN bits
@@ -83,96 +79,9 @@ def test_copy_transposed_other_layouts_and_shape_check() -> None:
         transpose.copy_transposed(a.T, np.empty((5, 5, 5), a.dtype))
 
 
-def test_pipeline_in_order_out_of_order_and_repeated() -> None:
-    made: list[int] = []
-
-    def maker(i: int):  # type: ignore[no-untyped-def]
-        def make() -> int:
-            made.append(i)
-            return i * i
-
-        return make
-
-    p = transpose.Pipeline([maker(i) for i in range(9)], depth=2)
-    assert made == []  # nothing starts before the first take
-    assert [p.take(i) for i in (0, 1, 5, 2, 3, 4, 6, 7, 8)] == [0, 1, 25, 4, 9, 16, 36, 49, 64]
-    assert sorted(set(made)) == list(range(9))
-    assert p.take(3) == 9  # taken again: made again
-
-
-def test_pipeline_consumer_makes_the_next_band_rather_than_wait() -> None:
-    # Band 1 is on the worker and finishes only once band 2 exists: the consumer,
-    # waiting for band 1, must make band 2 itself (a waiting consumer would hang here).
-    started_1, made_2 = threading.Event(), threading.Event()
-
-    def band_0() -> int:
-        assert started_1.wait(10)  # the worker has claimed band 1
-        return 0
-
-    def band_1() -> bool:
-        started_1.set()
-        return made_2.wait(10)
-
-    def band_2() -> int:
-        made_2.set()
-        raise OSError("band 2")  # made by the consumer: comes out of take(2), not take(1)
-
-    p = transpose.Pipeline([band_0, band_1, band_2, lambda: 3], depth=2, workers=1)
-    assert p.take(0) == 0
-    assert p.take(1) is True
-    with pytest.raises(OSError, match="band 2"):
-        p.take(2)
-    assert p.take(3) == 3
-
-
-@pytest.mark.parametrize(("depth", "workers"), [(1, 1), (2, 1), (4, 2), (3, 3)])
-def test_pipeline_makes_at_most_depth_ahead(depth: int, workers: int) -> None:
-    made: list[int] = []
-    lock = threading.Lock()
-
-    def maker(i: int):  # type: ignore[no-untyped-def]
-        def make() -> int:
-            with lock:
-                made.append(i)
-            return i
-
-        return make
-
-    p = transpose.Pipeline([maker(i) for i in range(40)], depth=depth, workers=workers)
-    for i in range(40):
-        assert p.take(i) == i
-        with lock:
-            assert max(made) <= i + depth
-    assert sorted(made) == list(range(40))  # each made once
-
-
-@pytest.mark.parametrize(
-    ("cores", "workers", "depth"), [(1, 1, 4), (2, 1, 4), (3, 2, 8), (16, 4, 8)]
-)
-def test_pipeline_defaults_scale_with_the_cores_within_a_memory_bound(
-    monkeypatch: pytest.MonkeyPatch, cores: int, workers: int, depth: int
-) -> None:
-    # one maker per core but the writer's (at most 4), and at most 8 buffers made ahead
-    monkeypatch.setattr(transpose, "threads", lambda: cores)
-    p = transpose.Pipeline([lambda: 0] * 20)
-    assert (p._workers, p._depth) == (workers, depth)
-    assert [p.take(i) for i in range(20)] == [0] * 20
-
-
-def test_pipeline_error_comes_out_at_its_band() -> None:
-    def bad() -> int:
-        raise OSError("disk")
-
-    p = transpose.Pipeline([lambda: 1, bad, lambda: 3])
-    assert p.take(0) == 1
-    with pytest.raises(OSError, match="disk"):
-        p.take(1)
-    assert p.take(2) == 3
-
-
 @pytest.mark.parametrize("dtype", ["<f4", ">f4", "<f8", ">f8"])
 @pytest.mark.parametrize(("n_in", "n_out"), [(1, 9), (9, 1), (257, 3), (3, 257), (1000, 33)])
-def test_waffe2_pipelined_save_bytes_and_view_load(
+def test_waffe2_banded_save_bytes_and_view_load(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     dtype: str,
@@ -233,7 +142,7 @@ def test_waffe2_decode_reads_ahead_and_reports_in_order(tmp_path: Path) -> None:
     # a truncated later file: its FormatError names it, however the reads were ordered
     bad = dest / "param:linearlayer.2.bias.npy"
     bad.write_bytes(bad.read_bytes()[:-3])
-    with pytest.raises(ptio.errors.FormatError) as info:
+    with pytest.raises(ptio.FormatError) as info:
         ptio.load(dest, format="waffe2")
     assert "param:linearlayer.2.bias.npy" in str(info.value)
 
@@ -244,7 +153,7 @@ def test_waffe2_band_buffers_are_recycled_and_bands_stay_exact(
     # Bands of 800 bytes at most, whole rows of the transposed kernels: 5 rows of 160 bytes
     # for the first, 8 of 92 for the second (a recycled buffer is then larger than the band),
     # each kernel's last band short: a consumer producing chunk after chunk, as io does,
-    # gets each band's exact bytes while the pipeline reuses a bounded set of buffers.
+    # gets each band's exact bytes while the bands reuse a bounded set of buffers.
     monkeypatch.setattr(waffe2, "_BAND_BYTES", 5 * 4 * 40)
     params = {
         "params": {
@@ -262,7 +171,7 @@ def test_waffe2_band_buffers_are_recycled_and_bands_stay_exact(
         chunks = encoded.files[f"param:linearlayer.{i}.weights.npy"].chunks
         got = []
         for c in chunks[1:]:  # after the .npy header: the bands, in order
-            assert isinstance(c, ptio.registry.Deferred)
+            assert isinstance(c, binary.Deferred)
             data = np.asarray(c.produce())
             assert data.nbytes == c.nbytes
             addresses.add(data.ctypes.data)

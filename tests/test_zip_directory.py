@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytreeio import zip as zipfmt
-from pytreeio.binary import BufferSource
-from pytreeio.errors import FormatError
+from pytreeio.containers import zip as zipfmt
+from pytreeio.core.binary import BufferSource
+from pytreeio.core.errors import FormatError
 
 
 def _archive(names: list[str], *, force_zip64: bool = False) -> bytes:

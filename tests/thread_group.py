@@ -23,12 +23,12 @@ def run_threads(
     """``fn(coordinator)`` on ``count`` threads; each one's exception, or None when it returned.
 
     ``devices`` (one set of jax devices per thread) and ``timeout`` go to
-    :func:`pytreeio.sharding.thread_group`; each thread is given ``join``
+    :func:`pytreeio.multihost.thread_group`; each thread is given ``join``
     seconds to finish; one still running then gets a ``TimeoutError`` as its result.
     """
-    from pytreeio import sharding
+    from pytreeio import multihost
 
-    coords = sharding.thread_group(count, devices, timeout=timeout)
+    coords = multihost.thread_group(count, devices, timeout=timeout)
     results: list[Any] = [None] * count
 
     def run(i: int) -> None:

@@ -8,8 +8,8 @@ interleaved, on the default JAX device, with device-resident trees:
   per leaf) and ``raw read + device_put`` (one ``readv`` per leaf, then
   ``jax.device_put``);
 * every format of the CPU benchmark (``cases.format_cases``: msgpack,
-  safetensors, Tiny Llama, the netcl formats, DataCode, cl-waffe2, bullet raw
-  and quantised): ``ptio.save`` of the device-resident tree (``durable=False``)
+  safetensors, Tiny Llama, the netcl formats, DataCode, cl-waffe2, bullet):
+  ``ptio.save`` of the device-resident tree (``durable=False``)
   against transfer + raw write, and ``ptio.load`` into ``like`` leaves of
   ``jax.ShapeDtypeStruct`` carrying the device's sharding against raw read +
   ``device_put``;
@@ -17,10 +17,9 @@ interleaved, on the default JAX device, with device-resident trees:
   (``StandardCheckpointer``, restored with the device's sharding) and
   safetensors.numpy (which needs host arrays: the transfer is counted);
 * ``save_async``: the time the caller is blocked against the whole save;
-* quantisation: :func:`pytreeio.quant.quantise` of a device-resident array
-  (the kernel runs on the device, the integers come to the host) and of a
-  host array, and bullet's quantised save from a device-resident tree and
-  from the same tree on the host.
+* bullet's quantised save from a device-resident tree (the quantisation
+  runs on the device, the integers come to the host) and from the same tree
+  on the host.
 
 Every timed call gets device arrays made just before it (a device-side copy,
 not timed): a jax array keeps its host copy once fetched, so reusing one tree
@@ -201,32 +200,13 @@ def async_cases(out: Path) -> dict[str, Case]:
     return cases
 
 
-def _first_kernel(trees: dict[str, Any]) -> Any:
-    return trees["mlp"]["params"]["Dense_0"]["kernel"]
-
-
 def quant_cases(mlp_host: Any, out: Path) -> dict[str, Case]:
-    """Quantisation of one array, and bullet's quantised save, from the device and from the host."""
-    from pytreeio import quant
-
-    x_host = _first_kernel({"mlp": mlp_host})
+    """bullet's quantised save (the quantisation runs where the tree is) from the device and host."""
     layout = {"saved_format": C.quantised_layout(mlp_host)}
     device_dir, host_dir = out / "bullet-q-device", out / "bullet-q-host"
     WRITTEN["bullet quantised save (device tree)"] = (device_dir, None)
     WRITTEN["bullet quantised save (host tree)"] = (host_dir, None)
     return {
-        "quantise (device-resident input)": lambda t: quant.quantise(
-            _first_kernel(t), 255, "i16", round=True
-        ),
-        "quantise + transpose (device-resident input)": lambda t: quant.quantise(
-            _first_kernel(t), 255, "i16", round=True, transpose=True
-        ),
-        "quantise (host input)": lambda t: quant.quantise(x_host, 255, "i16", round=True),
-        "quantise + transpose (host input)": lambda t: quant.quantise(
-            x_host, 255, "i16", round=True, transpose=True
-        ),
-        "transpose (device-resident input)": lambda t: quant.transpose(_first_kernel(t), (1, 0)),
-        "transpose (host input)": lambda t: quant.transpose(x_host, (1, 0)),
         "bullet quantised save (device tree)": lambda t: ptio.save(
             device_dir, t["mlp"], format="bullet", meta=layout, durable=False
         ),
@@ -276,25 +256,21 @@ def main() -> None:
             best = best_of(cases, fresh, args.repeats)
         finally:
             ptio.wait_saves()
-        kernel_bytes = _first_kernel(trees).nbytes
         moved = {name: _bytes_at(*WRITTEN[name]) for name in best if name in WRITTEN}
-        report(best, device, nbytes, kernel_bytes, moved)
+        report(best, device, nbytes, moved)
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def report(
-    best: dict[str, float], device: Any, nbytes: int, quant_bytes: int, moved: dict[str, int]
-) -> None:
+def report(best: dict[str, float], device: Any, nbytes: int, moved: dict[str, int]) -> None:
     """One line per case; a save or load is compared with the raw path moving as many bytes."""
     print(
         f"device: {device.device_kind} ({jax.default_backend()}, jax {jax.__version__}); "
-        f"tree {nbytes / 1e6:.0f} MB; quantise {quant_bytes / 1e6:.0f} MB float32 -> i16"
+        f"tree {nbytes / 1e6:.0f} MB"
     )
     save_raw, load_raw = best["transfer + raw write"], best["raw read + device_put"]
     for name, seconds in best.items():
-        size = quant_bytes if name.startswith(("quantise", "transpose")) else nbytes
-        size = moved.get(name, size)
+        size = moved.get(name, nbytes)
         ratio = ""
         if name.startswith("save ") or name.startswith("bullet quantised save"):
             ratio = f"  {save_raw * size / nbytes / seconds:5.2f}x of transfer + raw write"

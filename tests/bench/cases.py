@@ -76,10 +76,22 @@ def tinyllama_config(total_bytes: int) -> dict[str, Any]:
     return {**base, "n_layers": layers, "vocab_size": vocab, "dropout": 0.0}
 
 
-def tree_nbytes(tree: Any) -> int:
-    import pytreeio as ptio
+def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """The array leaves of nested dicts and lists by ``/``-joined path (no pytreeio needed)."""
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        return {prefix: tree} if hasattr(tree, "nbytes") and hasattr(tree, "shape") else {}
+    out: dict[str, Any] = {}
+    for k, v in items:
+        out |= flat(v, f"{prefix}/{k}" if prefix else str(k))
+    return out
 
-    return sum(np.asarray(v).nbytes for v in ptio.flatten(tree).values())
+
+def tree_nbytes(tree: Any) -> int:
+    return sum(int(v.nbytes) for v in flat(tree).values())
 
 
 def quantised_layout(tree: dict[str, Any]) -> list[dict[str, Any]]:
@@ -97,7 +109,8 @@ class FormatCase:
 
     ``dest`` is relative to the case's own directory (everything in it is the
     checkpoint); ``load_files`` names the files a load reads when it reads
-    fewer than all of them (the raw read baselines read the same files).
+    fewer than all of them (the raw read baselines read the same files);
+    ``npz``: the files are zip archives whose members' CRC-32 a load checks.
     """
 
     name: str
@@ -109,6 +122,7 @@ class FormatCase:
     load_options: dict[str, Any] = field(default_factory=dict)
     meta: Callable[[Any], Any] | None = None
     load_files: list[str] | None = None
+    npz: bool = False
 
 
 def format_cases(layers: int = REFERENCE_LAYERS) -> list[FormatCase]:
@@ -124,36 +138,22 @@ def format_cases(layers: int = REFERENCE_LAYERS) -> list[FormatCase]:
             tree="tinyllama",
             meta=lambda cfg: {"config": {"n_heads": cfg["n_heads"], "dropout": cfg["dropout"]}},
         ),
-        FormatCase("netcl", "netcl", "file", "model.netcl", save_options={"layers": linear}),
-        FormatCase("netcl-checkpoint", "netcl-checkpoint", "siblings", "ckpt"),
-        FormatCase("netcl-params", "netcl-params", "file", "params.npz"),
-        # the same file read without checking its members' CRC-32: what the checksum costs
         FormatCase(
-            "netcl-params (verify_crc=False)",
-            "netcl-params",
-            "file",
-            "params-nocrc.npz",
-            load_options={"verify_crc": False},
+            "netcl", "netcl", "file", "model.netcl", save_options={"layers": linear}, npz=True
         ),
+        FormatCase("netcl-checkpoint", "netcl-checkpoint", "siblings", "ckpt", npz=True),
+        FormatCase("netcl-params", "netcl-params", "file", "params.npz", npz=True),
         FormatCase("datacode", "datacode", "file", "model.nn", save_options={"layers": linear}),
         FormatCase(
             "waffe2", "waffe2", "directory", "ckpt.wf2model", save_options={"layers": linear}
         ),
-        # a load reads the tagged records of optimiser_state/weights.bin (raw.bin is what
+        # a load needs the tagged records of optimiser_state/weights.bin (raw.bin is what
         # engines read; quantised.bin is checked only when the layout is given)
         FormatCase(
             "bullet",
             "bullet",
             "directory",
             "ckpt",
-            load_files=["optimiser_state/weights.bin", "log.txt"],
-        ),
-        FormatCase(
-            "bullet quantised",
-            "bullet",
-            "directory",
-            "ckpt",
-            meta=lambda tree: {"saved_format": quantised_layout(tree)},
             load_files=["optimiser_state/weights.bin", "log.txt"],
         ),
     ]

@@ -1,8 +1,8 @@
 """The peer libraries, each as a save and a load of the benchmark's tree (numpy leaves).
 
-Every peer writes into its own case directory (``dest`` inside it) and loads
-into fresh arrays, with the tree as ``like`` where the library needs one.
-A peer that is not installed is left out (:func:`available`).
+A load with ``like=None`` needs no tree (what a first load in a fresh process
+has): flax restores the msgpack state dict, orbax the saved structure.  A peer
+that is not installed is left out (:func:`available`).
 """
 
 from __future__ import annotations
@@ -15,75 +15,50 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from cases import flat
 
 
 @dataclass(frozen=True)
 class Peer:
     name: str
-    module: str  # what must be importable
+    module: str  # imported before a load is timed
     dest: str
+    layout: str
     save: Callable[[Path, Any], None]
     load: Callable[[Path, Any], Any]
-    note: str = ""
-
-
-def _flat(tree: Any) -> dict[str, np.ndarray]:
-    import pytreeio as ptio
-
-    return {k: np.asarray(v) for k, v in ptio.flatten(tree).items()}
-
-
-def _write(path: Path, data: bytes, durable: bool) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
 
 
 def flax_save(path: Path, tree: Any, durable: bool = False) -> None:
     from flax import serialization
 
-    _write(path, serialization.to_bytes(tree), durable)
+    with open(path, "wb") as f:
+        f.write(serialization.to_bytes(tree))
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def flax_load(path: Path, like: Any) -> Any:
     from flax import serialization
 
-    return serialization.from_bytes(like, path.read_bytes())
+    data = path.read_bytes()
+    return (
+        serialization.msgpack_restore(data)
+        if like is None
+        else serialization.from_bytes(like, data)
+    )
 
 
 def safetensors_save(path: Path, tree: Any) -> None:
     from safetensors.numpy import save_file
 
-    save_file(_flat(tree), str(path))
+    save_file({k: np.asarray(v) for k, v in flat(tree).items()}, str(path))
 
 
 def safetensors_load(path: Path, like: Any) -> Any:
     from safetensors.numpy import load_file
 
     return load_file(str(path))
-
-
-def savez_save(path: Path, tree: Any) -> None:
-    np.savez(path, **_flat(tree))
-
-
-def savez_load(path: Path, like: Any) -> Any:
-    with np.load(path) as z:  # NpzFile reads members lazily: read them all
-        return {k: z[k] for k in z.files}
-
-
-def equinox_save(path: Path, tree: Any) -> None:
-    import equinox as eqx
-
-    eqx.tree_serialise_leaves(path, tree)
-
-
-def equinox_load(path: Path, like: Any) -> Any:
-    import equinox as eqx
-
-    return eqx.tree_deserialise_leaves(path, like)
 
 
 _orbax: dict[str, Any] = {}
@@ -106,30 +81,23 @@ def orbax_save(path: Path, tree: Any) -> None:
 def orbax_load(path: Path, like: Any) -> Any:
     import jax
 
+    if like is None:
+        return jax.block_until_ready(_checkpointer().restore(path.absolute()))
     abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), like)
     return jax.block_until_ready(_checkpointer().restore(path.absolute(), abstract))
 
 
 PEERS = [
-    Peer("flax.serialization", "flax", "tree.msgpack", flax_save, flax_load, "to_bytes/from_bytes"),
-    Peer("orbax", "orbax.checkpoint", "ckpt", orbax_save, orbax_load, "StandardCheckpointer"),
     Peer(
         "safetensors.numpy",
-        "safetensors",
+        "safetensors.numpy",
         "tree.safetensors",
+        "file",
         safetensors_save,
         safetensors_load,
-        "save_file/load_file",
     ),
-    Peer("np.savez", "numpy", "tree.npz", savez_save, savez_load, "np.savez/np.load"),
-    Peer(
-        "equinox",
-        "equinox",
-        "tree.eqx",
-        equinox_save,
-        equinox_load,
-        "tree_serialise_leaves/tree_deserialise_leaves",
-    ),
+    Peer("flax.serialization", "flax.serialization", "tree.msgpack", "file", flax_save, flax_load),
+    Peer("orbax", "orbax.checkpoint", "ckpt", "directory", orbax_save, orbax_load),
 ]
 
 

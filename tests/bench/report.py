@@ -1,8 +1,8 @@
 """The machine a run came from, and the markdown rendering of a run's results.
 
 The results are plain data (what ``latest.json`` holds); :func:`markdown`
-turns them into the tables the README shows, each row with its verdict
-against the targets (PASS, MISS, or ``-`` where no target applies).
+turns the summaries into tables, each row with its verdict (PASS, MISS, or
+``-`` where no target applies) for each side.
 """
 
 from __future__ import annotations
@@ -16,35 +16,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-#: The targets the tables make checkable (ratios within one run).
-TARGETS = {
-    "load_file": 0.9,  # x best raw read, single-file formats, with and without like
-    "load_multi": 0.8,  # x best raw read, sibling and directory formats
-    "save": 0.95,  # x raw write of the same files
-    "save_durable": 0.95,  # x raw write + fsync
-    "memory_slack": 64 << 20,  # peak added <= tree + 64 MB
-    "inspect_s": 0.050,  # inspect of a 1 GB file
-    "import_s": 0.050,  # import pytreeio over import numpy
-}
 
-
-def _cpu_model() -> str:
+def _first(path: str, prefix: str) -> str | None:
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(prefix):
                     return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _memory_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
@@ -52,19 +30,19 @@ def _memory_bytes() -> int | None:
 
 def _file_system(path: Path) -> str:
     """The file system type of ``path`` (the longest mount point containing it)."""
+    real, best, found = os.path.realpath(path), "", "?"
     try:
-        real = os.path.realpath(path)
-        best, kind, dev = "", "?", "?"
         with open("/proc/mounts") as f:
             for line in f:
-                parts = line.split()
-                mount = parts[1].replace("\\040", " ")
-                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) >= len(best):
-                    best, kind, dev = mount, parts[2], parts[0]
-        return f"{kind} ({dev} on {best})"
+                dev, mount, kind = line.split()[:3]
+                mount = mount.replace("\\040", " ")
+                if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(
+                    mount
+                ) >= len(best):
+                    best, found = mount, f"{kind} ({dev} on {mount})"
     except OSError:
-        return "?"
+        pass
+    return found
 
 
 def _version(dist: str) -> str:
@@ -74,7 +52,7 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def _loadavg() -> list[float] | None:
+def loadavg() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
@@ -82,27 +60,36 @@ def _loadavg() -> list[float] | None:
 
 
 def machine(work_dir: Path) -> dict[str, Any]:
-    """What the numbers depend on: CPU, memory, file system, versions, load, date."""
-    try:
-        kernel = subprocess.run(["uname", "-r"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        kernel = platform.release()
+    """What the numbers depend on: CPU, cores, memory, file system, versions, load, date."""
+    mem = _first("/proc/meminfo", "MemTotal")
     return {
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "memory_bytes": _memory_bytes(),
+        "cpu": _first("/proc/cpuinfo", "model name") or platform.machine(),
+        "nproc": os.cpu_count(),
+        "memory_bytes": int(mem.split()[0]) * 1024 if mem else None,
         "file_system": _file_system(work_dir),
-        "kernel": kernel,
+        "kernel": platform.release(),
         "python": sys.version.split()[0],
-        "numpy": _version("numpy"),
-        "jax": _version("jax"),
-        "pytreeio": _version("pytreeio"),
-        "flax": _version("flax"),
-        "orbax-checkpoint": _version("orbax-checkpoint"),
-        "safetensors": _version("safetensors"),
-        "equinox": _version("equinox"),
-        "loadavg_start": _loadavg(),
+        **{d: _version(d) for d in ("numpy", "jax", "flax", "orbax-checkpoint", "safetensors")},
+        "loadavg_start": loadavg(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def checkout(path: Path) -> dict[str, Any]:
+    """Which code a side ran: its directory, commit, and whether its tree had changes."""
+
+    def git(*args: str) -> str:
+        try:
+            proc = subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True)
+            return proc.stdout.strip()
+        except OSError:
+            return ""
+
+    changed = git("status", "--porcelain", "--", "pytreeio")
+    return {
+        "dir": str(path),
+        "commit": git("rev-parse", "--short", "HEAD") or "?",
+        "changed_files": len(changed.splitlines()),
     }
 
 
@@ -111,159 +98,154 @@ def machine(work_dir: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------
 
 
-def _x(v: float | None) -> str:
-    return "" if v is None else f"{v:.2f}x"
+def _ms(v: float | None) -> str:
+    return "" if v is None else f"{v * 1e3:.0f}"
 
 
-def _ratio(entry: dict[str, Any] | None) -> str:
-    """``best (median)`` of a ratio entry."""
+def _mb(n: float | None) -> str:
+    return "" if n is None else f"{n / 1e6:.0f}"
+
+
+def _time_ratio(entry: dict[str, Any] | None) -> list[str]:
+    """``best (median)`` ms and ratio cells of one side."""
     if not entry:
-        return ""
-    if entry.get("error"):
-        return "error"
-    return f"{entry['best']:.2f}x ({entry['median']:.2f}x)"
+        return ["", ""]
+    ratio = f"{entry['ratio']:.2f}x" if entry.get("ratio") else ""
+    if ratio and entry.get("ratio_median"):
+        ratio += f" ({entry['ratio_median']:.2f}x)"
+    return [f"{_ms(entry['best'])} ({_ms(entry['median'])})", ratio]
 
 
-def _verdict(checks: list[tuple[str, bool]]) -> str:
-    if not checks:
-        return "-"
-    missed = [what for what, ok in checks if not ok]
-    return "PASS" if not missed else "MISS: " + ", ".join(missed)
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.0f}"
-
-
-def throughput_table(rows: list[dict[str, Any]]) -> list[str]:
-    out = [
-        "| case | layout | MB | save GB/s | save / raw write | load GB/s | load / best raw read "
-        "| load (like) / best raw read | targets |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        save, load, like = r.get("save"), r.get("load"), r.get("load_like")
-        out.append(
-            f"| {r['name']} | {r['layout']} | {_mb(r['bytes'])} "
-            f"| {r.get('save_gbps', '')} | {_ratio(save)} | {r.get('load_gbps', '')} "
-            f"| {_ratio(load)} | {_ratio(like)} | {r['verdict']} |"
-        )
-    return out
+def _verdicts(row: dict[str, Any], sides: list[str]) -> str:
+    return " / ".join(f"{s}: {row[s]['verdict']}" for s in sides if row.get(s))
 
 
 def markdown(results: dict[str, Any]) -> str:
-    m = results["machine"]
-    mem = m["memory_bytes"]
-    cfg = results["config"]
+    m, cfg, sides_info = results["machine"], results["config"], results["sides"]
+    sides = list(sides_info)
+    mem = m.get("memory_bytes")
     lines = [
-        f"Run of {m['date']} on {m['cpu']}, {m['cores']} cores, {mem / 2**30:.0f} GiB RAM;"
-        if mem
-        else f"Run of {m['date']} on {m['cpu']}",
-        f"{m['file_system']}; Python {m['python']}, numpy {m['numpy']}, jax {m['jax']}; "
-        f"load average {m['loadavg_start']} at the start, {m.get('loadavg_end')} at the end.",
+        f"Run of {m['date']}: {m['cpu']}, nproc {m['nproc']}"
+        + (f", {mem / 2**30:.0f} GiB RAM" if mem else "")
+        + f"; {m['file_system']}; Python {m['python']}, numpy {m['numpy']}, jax {m['jax']}; "
+        f"load average {m['loadavg_start']} at the start, {m.get('loadavg_end')} at the end; "
+        f"{results.get('seconds', 0) / 60:.1f} minutes.",
         "",
-        f"Tree: {cfg['tree_mb']:.0f} MB float32, {cfg['leaves']} leaves; {cfg['repeat']} rounds, "
-        "cases interleaved round-robin; ratios are best (median) of the round times, "
-        "ours / raw on the same files in the same run (higher is better). Saves are "
-        "`durable=False` against raw `write`; loads read page-cached files (each read once "
-        "before timing) into fresh arrays, against the best raw read of the same files "
-        "(fastest of 1-thread `readinto`, 2-thread `pread` into one array per file and into "
-        "arrays of the sizes of the tree's tensors, `mmap` + copy).",
+        "Code: "
+        + "; ".join(
+            f"**{s}** = `{i['dir']}` at {i['commit']}"
+            + (
+                f" + uncommitted changes in {i['changed_files']} files"
+                if i["changed_files"]
+                else ""
+            )
+            for s, i in sides_info.items()
+        )
+        + ".",
+        "",
+        f"Conditions: tree {cfg['size_mb']:g} MB float32 (32 layers of a square kernel and a "
+        "bias; Tiny Llama: a model of about the same bytes); "
+        f"{cfg['rounds']} rounds, interleaved (raw reads, then each side's load, case after case); "
+        "times are best (median) in ms; ratios are raw time / load time (higher is better). "
+        "Every load is the **first load in a fresh process** (numpy, jax and pytreeio imported "
+        "and bytecode cached, every format loaded once by a warm-up process per side, before the "
+        "clock starts; no `like`), and every raw read is a fresh "
+        "process too (numpy only): one-thread `readinto`, or two-thread `pread` of 16 MiB "
+        "blocks, into a **fresh numpy array per file**, of the files the load needs; the faster "
+        "is the baseline. Page cache **warm**: every file read just before the round; "
+        "**dropped**: `sync; echo 3 > /proc/sys/vm/drop_caches` in the process after its "
+        "imports, the pytreeio package and the cached bytecode read back, so only "
+        "the checkpoint is cold"
+        + (f" (not run: {cfg['no_drop_reason']})" if cfg.get("no_drop_reason") else "")
+        + ". **Memory**: fresh process, `ru_maxrss` after the load minus `ru_maxrss` after "
+        "the imports, the largest of the rounds.",
+        "",
+        "### Cold loads",
         "",
     ]
-    t = results.get("throughput")
-    if t:
-        lines += ["### Throughput", ""]
-        lines += throughput_table(t["rows"])
-        raw = t.get("raw_limits")
-        if raw:
-            lines += [
-                "",
-                "Raw limits on the msgpack tree's bytes (GB/s, best): "
-                + ", ".join(f"{k} {v:.2f}" for k, v in raw.items())
-                + ".",
-            ]
-        lines.append("")
-    d = results.get("durable")
-    if d:
-        lines += [
-            "### Durable saves (vs raw `write` + `fsync` of the same files)",
-            "",
-            "| case | GB/s | save / raw write+fsync | targets |",
-            "|---|---:|---:|---|",
-        ]
-        for r in d:
-            lines.append(f"| {r['name']} | {r['gbps']} | {_ratio(r['ratio'])} | {r['verdict']} |")
-        lines.append("")
-    pl = results.get("per_leaf")
-    if pl:
-        lines += [
-            f"### Per-leaf cost ({pl['leaves']} leaves: Linear layers of an 8x8 kernel and 8 "
-            "biases, float32; Tiny Llama: a model of as many leaves; µs per leaf, best)",
-            "",
-            "Repeated saves and loads of one layout (what a training run does); then the",
-            "first of a layout, after `pytreeio.forget_layouts()` (what a one-off load pays).",
-            "",
-            "| library | save | load | load (like) | first: save | load | load (like) "
-            "| targets (<= safetensors.numpy) |",
-            "|---|---:|---:|---:|---:|---:|---:|---|",
-        ]
-        keys = ("save", "load", "load_like", "save_first", "load_first", "load_like_first")
-        for r in pl["rows"]:
-            cells = [f"{r[k]:.1f}" if r.get(k) is not None else "" for k in keys]
-            lines.append(f"| {r['name']} | {' | '.join(cells)} | {r['verdict']} |")
-        lines.append("")
-        lines += _file_per_tensor(pl["rows"])
-    mm = results.get("memory")
-    if mm:
-        lines += [
-            "### Peak memory (RSS high-water mark added by one operation, fresh process each)",
-            "",
-            "| case | operation | tree MB | added MB | seconds | targets (<= tree + 64 MB) |",
-            "|---|---|---:|---:|---:|---|",
-        ]
-        for r in mm:
-            if "error" in r:
-                lines.append(
-                    f"| {r['name']} | {r['op']} | {_mb(r['tree'])} | error | | {r['error'][:80]} |"
-                )
-                continue
-            lines.append(
-                f"| {r['name']} | {r['op']} | {_mb(r['tree'])} | {_mb(r['added'])} "
-                f"| {r['seconds']:.2f} | {r['verdict']} |"
-            )
-        lines.append("")
-    misc = results.get("misc")
-    if misc:
-        lines += ["### Other checks", "", "| check | result | targets |", "|---|---|---|"]
-        for r in misc:
-            lines.append(f"| {r['name']} | {r['result']} | {r['verdict']} |")
-        lines.append("")
+    head = "| case | layout | cache | MB read | raw best |"
+    rule = "|---|---|---|---:|---:|"
+    for s in sides:
+        head += f" {s} ms | {s} / raw |"
+        rule += "---:|---:|"
+    lines += [head + " target | verdict |", rule + "---:|---|"]
+    for r in results["loads"]:
+        who = sides if "peer" not in r else ["peer"]
+        cells = [r["case"], r["layout"], r["cache"], _mb(r["bytes_read"]), _ms(r["raw_best"])]
+        for s in sides:
+            cells += _time_ratio(r.get("peer") if who == ["peer"] and s == sides[-1] else r.get(s))
+        target = f">= {r['target']}x" if r["target"] else "-"
+        lines.append("| " + " | ".join([*cells, target, _verdicts(r, sides) or "-"]) + " |")
+    if len(sides) > 1:
+        lines += ["", f"(peer rows: the peer's load in the {sides[-1]} columns)"]
+    lines += [
+        "",
+        "### Peak memory of the loads, and bytes read (`rchar`: read calls; mapped reads not counted)",
+        "",
+        "| case | tree MB | "
+        + " | ".join(f"{s} added MB | {s} read MB" for s in sides)
+        + " | target | verdict |",
+        "|---|---:|" + "---:|---:|" * len(sides) + "---|---|",
+    ]
+    reads = {
+        (r["case"], s): r[s].get("rchar")
+        for r in results["loads"]
+        for s in [*sides, "peer"]
+        if r.get(s) and r["cache"] == "warm"
+    }
+    for r in results["memory"]:
+        cells = [r["case"], _mb(r.get("tree"))]
+        for s in sides:
+            e = r.get(s) or (r.get("peer") if s == sides[-1] else None)
+            rd = reads.get((r["case"], s)) or reads.get((r["case"], "peer"))
+            cells += [_mb(e["added"]) if e else "", _mb(rd) if e else ""]
+        lines.append(
+            "| " + " | ".join([*cells, "<= tree + 64 MB", _verdicts(r, sides) or "-"]) + " |"
+        )
+    lines += [
+        "",
+        "### Saves (in-process, after a warm-up save of every format; destination removed and "
+        "`os.sync()` before each)",
+        "",
+        "`durable=False` against plain `write` of the same files' sizes from the tree's arrays; "
+        "`(durable)`: the default save (files and directory fsynced) against `write` + `fsync` of "
+        "each file and its directory. Raw: best of all rounds of both sides.",
+        "",
+        "| case | MB | raw ms |"
+        + "".join(f" {s} ms | {s} / raw |" for s in sides)
+        + " target | verdict |",
+        "|---|---:|---:|" + "---:|---:|" * len(sides) + "---:|---|",
+    ]
+    for r in results["saves"]:
+        cells = [r["case"], _mb(r["bytes"]), _ms(r["raw_best"])]
+        for s in sides:
+            cells += _time_ratio(r.get(s))
+        lines.append("| " + " | ".join([*cells, ">= 0.9x", _verdicts(r, sides)]) + " |")
+    lines += [
+        "",
+        "### First load per tensor (fresh process, page cache warm; µs per tensor, best of rounds)",
+        "",
+        f"A tree of {cfg['leaves']} small float32 tensors (Linear layers of an 8x8 kernel and 8 "
+        "biases; Tiny Llama: a model of about as many). Reference: safetensors.numpy's first load "
+        "of the same tree (<= 1x for msgpack, safetensors, tinyllama; <= 3x elsewhere); "
+        "cl-waffe2 stores a file per tensor: against `open`/`pread`/`close` of a file per tensor "
+        "(<= 3x).",
+        "",
+        "| case | tensors | reference µs |"
+        + "".join(f" {s} µs |" for s in sides)
+        + " limit µs | verdict |",
+        "|---|---:|---:|" + "---:|" * len(sides) + "---:|---|",
+    ]
+    for r in results["per_tensor"]:
+        if r["reference"] == "reference":
+            us = "" if r["us"] is None else f"{r['us']:.1f}"
+            lines.append(f"| {r['case']} (reference) | | {us} |" + " |" * len(sides) + " | |")
+            continue
+        ref = "" if r["reference_us"] is None else f"{r['reference_us']:.1f} ({r['reference']})"
+        cells = [r["case"], str(r["tensors"]), ref]
+        cells += [f"{r[s]['us']:.1f}" if r.get(s) else "" for s in sides]
+        limit = "" if r["limit_us"] is None else f"{r['limit_us']:.1f}"
+        lines.append("| " + " | ".join([*cells, limit, _verdicts(r, sides) or "-"]) + " |")
     if results.get("errors"):
-        lines += ["Errors:", ""] + [f"- {e}" for e in results["errors"]] + [""]
-    return "\n".join(lines)
-
-
-def verdict(checks: list[tuple[str, bool]]) -> str:
-    return _verdict(checks)
-
-
-def _file_per_tensor(rows: list[dict[str, Any]]) -> list[str]:
-    """cl-waffe2 (a file per tensor, by its format) against the raw floor of one."""
-    by_name = {r["name"]: r for r in rows}
-    raw, ours = by_name.get("raw: a file per tensor"), by_name.get("pytreeio waffe2")
-    if raw is None or ours is None:
-        return []
-    parts = []
-    for op, label in (("save", "save"), ("load", "load"), ("load_like", "load with `like`")):
-        floor = raw["load" if op == "load_like" else op]
-        if ours.get(op) is not None and floor:
-            parts.append(
-                f"{label} {ours[op]:.1f} µs a tensor, {ours[op] / floor:.2f}x the raw {floor:.1f}"
-            )
-    return [
-        "A file per tensor (cl-waffe2's layout), raw: `open`/`write`/`close` of each tensor's "
-        "bytes into a new directory swapped in by two renames, the old one's files unlinked; "
-        "`open`/`read`/`close` of each back. cl-waffe2: " + "; ".join(parts) + ".",
-        "",
-    ]
+        lines += ["", "Errors:", ""] + [f"- {e}" for e in results["errors"]]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,1 @@
+"""The engine: format choice, option routing, encode/decode/restore and conversion."""
