@@ -18,10 +18,11 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff check + format check."""
-    session.install("ruff>=0.6")
+    """ruff check + format check, and the layers contract (import-linter)."""
+    session.install("ruff>=0.6", "import-linter>=2.1", "-e", ".")
     session.run("ruff", "check", "pytreeio", "tests", "examples", "noxfile.py")
     session.run("ruff", "format", "--check", "pytreeio", "tests", "examples", "noxfile.py")
+    session.run("lint-imports")
 
 
 @nox.session(python=PYTHON)

@@ -1,18 +1,7 @@
 """The ``pytreeio`` command.
 
-Synopsis::
-
-    pytreeio [--quiet] [--debug] [--version] COMMAND ...
-    pytreeio formats [--json]
-    pytreeio inspect PATH [--format NAME] [--json]
-    pytreeio verify  PATH [--format NAME] [--opt NAME=VALUE ...] [--json]
-    pytreeio checksum PATH [--format NAME]
-    pytreeio convert SRC DST --to NAME [--from NAME] [--meta JSON|@FILE]
-                     [--opt NAME=VALUE ...] [--lossy] [--force] [--no-fsync]
-    pytreeio diff A B [--format NAME] [--format-a NAME] [--format-b NAME]
-                  [--atol X] [--rtol X] [--model | --native] [--all] [--json]
-    pytreeio demo [--dir DIR] [--steps N]
-
+Commands: ``formats``, ``inspect``, ``verify``, ``checksum``, ``convert``,
+``diff``, ``demo`` (``pytreeio COMMAND --help`` describes each).
 ``--quiet`` and ``--debug`` are also accepted after the command.
 
 Exit status: 0 ok; 1 an error (or, for ``diff``, checkpoints that differ);
@@ -42,7 +31,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 from pytreeio import __version__, api, progress
 from pytreeio.core import records
@@ -59,17 +48,7 @@ class UsageError(Exception):
     """A command line that cannot be run as given (exit status 2)."""
 
 
-# --------------------------------------------------------------------------
-# argument values
-# --------------------------------------------------------------------------
-
-
-def _json_or_text(text: str) -> Any:
-    """``text`` parsed as JSON when it parses, else the string itself."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+# --- argument values ---
 
 
 def _read_at_file(value: str, what: str) -> str:
@@ -97,7 +76,10 @@ def parse_opts(items: Sequence[str] | None) -> dict[str, Any]:
             raise UsageError(f"--opt {name} is given twice")
         if value.startswith("@"):
             value = _read_at_file(value, f"--opt {name}")
-        out[name] = _json_or_text(value)
+        try:
+            out[name] = json.loads(value)
+        except ValueError:
+            out[name] = value
     return out
 
 
@@ -127,32 +109,21 @@ def _tolerance(text: str) -> float:
 
 
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    if not text.strip().lstrip("+").isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer, at least 1, got {text!r}")
+    return int(text)
 
 
 def _json_default(x: Any) -> Any:
-    item = getattr(x, "item", None)
-    if callable(item) and getattr(x, "shape", None) == ():
-        return item()
-    tolist = getattr(x, "tolist", None)
-    if callable(tolist):
-        return tolist()
-    return str(x)
+    tolist = getattr(x, "tolist", None)  # numpy and jax arrays and scalars
+    return tolist() if callable(tolist) else str(x)
 
 
 def _dumps(doc: Any) -> str:
     return json.dumps(doc, indent=2, default=_json_default)
 
 
-# --------------------------------------------------------------------------
-# paths and options
-# --------------------------------------------------------------------------
+# --- paths and options ---
 
 
 def _sibling_stem(path: str, format: str | None) -> str | None:
@@ -242,44 +213,21 @@ def _short(path: str) -> str:
     return Path(path).name or path
 
 
-# --------------------------------------------------------------------------
-# commands
-# --------------------------------------------------------------------------
+# --- commands ---
 
 
-def _option_defaults(fmt: Format, direction: str) -> dict[str, Any]:
-    """Each option of ``fmt`` in ``direction`` with its default (``_inspect.Parameter.empty`` for none)."""
-    names = fmt.save_options if direction == "save" else fmt.load_options
-    fns = (
-        (fmt.encode, fmt.from_model)
-        if direction == "save"
-        else (fmt.decode, fmt.restore, fmt.to_model)
-    )
-    out: dict[str, Any] = {}
-    for name in sorted(names):
-        out[name] = _inspect.Parameter.empty
-        for fn in fns:
-            if fn is None:
-                continue
-            try:
-                param = _inspect.signature(fn).parameters.get(name)
-            except (TypeError, ValueError):
-                continue
-            if param is not None:
-                out[name] = param.default
-                break
-    return out
-
-
-def _options_line(defaults: Mapping[str, Any]) -> str:
-    if not defaults:
-        return "none"
+def _options_line(fmt: Format, direction: str) -> str:
+    """``fmt``'s options in ``direction``, with the defaults of the functions that take them."""
+    save = direction == "save"
+    funcs = (fmt.encode, fmt.from_model) if save else (fmt.decode, fmt.restore, fmt.to_model)
+    signatures = [_inspect.signature(fn).parameters for fn in funcs if fn is not None]
     parts = []
-    for name, default in defaults.items():
-        text = repr(default)
-        empty = default is _inspect.Parameter.empty
-        parts.append(name if empty or len(text) > 30 else f"{name}={text}")
-    return ", ".join(parts)
+    for name in sorted(fmt.save_options if save else fmt.load_options):
+        found = [sig[name].default for sig in signatures if name in sig]
+        text = repr(found[0]) if found else ""
+        empty = not found or found[0] is _inspect.Parameter.empty or len(text) > 30
+        parts.append(name if empty else f"{name}={text}")
+    return ", ".join(parts) or "none"
 
 
 def _cmd_formats(args: argparse.Namespace) -> int:
@@ -306,8 +254,8 @@ def _cmd_formats(args: argparse.Namespace) -> int:
     for name, f in sorted(fmts.items()):
         suffixes = " ".join(f.suffixes) or "-"
         print(f"{name:<{w}}  {f.layout.kind:<8}  {suffixes:<20}  {f.description}")
-        print(f"{'':<{w}}  save options: {_options_line(_option_defaults(f, 'save'))}")
-        print(f"{'':<{w}}  load options: {_options_line(_option_defaults(f, 'load'))}")
+        print(f"{'':<{w}}  save options: {_options_line(f, 'save')}")
+        print(f"{'':<{w}}  load options: {_options_line(f, 'load')}")
     return EXIT_OK
 
 
@@ -419,14 +367,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     elif not args.quiet:
-        if args.all:
-            lines = [f"A: {report.a} ({report.format_a})", f"B: {report.b} ({report.format_b})"]
-            lines += [f"  {e.line()}" for e in report.entries]
-            lines += [f"note: {n}" for n in report.notes]
-            lines.append(report.summary())
-            print("\n".join(lines))
-        else:
-            print(report)
+        print(report.text(every_entry=args.all))
     return EXIT_OK if report.ok else EXIT_ERROR
 
 
@@ -436,9 +377,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.dir, steps=args.steps)
 
 
-# --------------------------------------------------------------------------
-# the parser
-# --------------------------------------------------------------------------
+# --- the parser ---
 
 
 def _format_list() -> str:
@@ -473,122 +412,113 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=raw,
     )
     parser.add_argument("--version", action="version", version=f"pytreeio {__version__}")
-    parser.add_argument(
-        "--debug", action="store_true", help="show the traceback of an error instead of one line"
-    )
-    parser.add_argument(
-        "-q", "--quiet", action="store_true", help="print nothing but errors (and --json output)"
-    )
     # --debug and --quiet are also accepted after the command (`pytreeio verify x --debug`).
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--debug",
-        action="store_true",
-        default=argparse.SUPPRESS,
-        help="show the traceback of an error instead of one line",
-    )
-    common.add_argument(
-        "-q",
-        "--quiet",
-        action="store_true",
-        default=argparse.SUPPRESS,
-        help="print nothing but errors (and --json output)",
-    )
+    for where, default in ((parser, False), (common, argparse.SUPPRESS)):
+        where.add_argument(
+            "--debug",
+            action="store_true",
+            default=default,
+            help="show the traceback of an error instead of one line",
+        )
+        where.add_argument(
+            "-q",
+            "--quiet",
+            action="store_true",
+            default=default,
+            help="print nothing but errors (and --json output)",
+        )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, func: Callable[[argparse.Namespace], int], **kwargs: Any) -> Any:
-        p = sub.add_parser(name, parents=[common], formatter_class=raw, **kwargs)
+    def add(
+        name: str,
+        func: Callable[[argparse.Namespace], int],
+        summary: str,
+        description: str,
+        *,
+        path: bool = False,
+        epilog: str = f"{formats_text}\n\n{_EXIT}",
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name,
+            parents=[common],
+            formatter_class=raw,
+            help=summary,
+            description=_para(description),
+            epilog=epilog,
+        )
         p.set_defaults(func=func, parser=p)
+        if path:
+            p.add_argument("path", metavar="PATH", help="the checkpoint: file, directory or stem")
+            p.add_argument(
+                "--format",
+                metavar="NAME",
+                help=f"its format (default: sniffed from the content): {names}",
+            )
         return p
+
+    def add_opt(p: argparse.ArgumentParser, what: str) -> None:
+        p.add_argument(
+            "--opt", action="append", metavar="NAME=VALUE", default=[], help=what + _OPT_HELP
+        )
 
     p = add(
         "formats",
         _cmd_formats,
-        help="list the registered formats with their save and load options",
-        description=_para(
-            "List the registered formats: layout, suffixes, description, and the "
-            "options `--opt` passes when saving (convert's target) and loading (verify, "
-            "convert's source)."
-        ),
+        "list the registered formats with their save and load options",
+        "List the registered formats: layout, suffixes, description, and the options `--opt` "
+        "passes when saving (convert's target) and loading (verify, convert's source).",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
     p = add(
         "inspect",
         _cmd_inspect,
-        help="show a checkpoint's entries and meta (reads headers only)",
-        description=_para(
-            "Show a checkpoint's entries (name, shape, dtype, bytes) and meta, reading "
-            "headers only. PATH is a file, a directory (waffe2, bullet) or a sibling-file stem "
-            "(netcl-checkpoint's `ckpt` for ckpt.npz + ckpt.json; either file works too)."
-        ),
-        epilog=formats_text,
-    )
-    p.add_argument("path", metavar="PATH", help="the checkpoint: file, directory or stem")
-    p.add_argument(
-        "--format", metavar="NAME", help=f"its format (default: sniffed from the content): {names}"
+        "show a checkpoint's entries and meta (reads headers only)",
+        "Show a checkpoint's entries (name, shape, dtype, bytes) and meta, reading headers only. "
+        "PATH is a file, a directory (waffe2, bullet) or a sibling-file stem (netcl-checkpoint's "
+        "`ckpt` for ckpt.npz + ckpt.json; either file works too).",
+        path=True,
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
     p = add(
         "verify",
         _cmd_verify,
-        help="decode a whole checkpoint, checking every byte",
-        description=_para(
-            "Decode a whole checkpoint, checking every byte, and report its entries. "
-            "Checksums are checked (pytreeio's per-tensor safetensors checksums, and the "
-            "manifest `pytreeio checksum` writes, when present); NaNs and infinities of "
-            "floating entries are reported. "
-            "Formats that can check derived data report it (bullet with "
-            "--opt saved_format=[...]: the largest quantisation error per tensor)."
-        ),
-        epilog=f"{formats_text}\n\n{_EXIT}",
+        "decode a whole checkpoint, checking every byte",
+        "Decode a whole checkpoint, checking every byte, and report its entries. Checksums are "
+        "checked (pytreeio's per-tensor safetensors checksums, and the manifest `pytreeio "
+        "checksum` writes, when present); NaNs and infinities of floating entries are reported. "
+        "Formats that can check derived data report it (bullet with --opt saved_format=[...]: "
+        "the largest quantisation error per tensor).",
+        path=True,
     )
-    p.add_argument("path", metavar="PATH", help="the checkpoint: file, directory or stem")
-    p.add_argument(
-        "--format", metavar="NAME", help=f"its format (default: sniffed from the content): {names}"
-    )
-    p.add_argument(
-        "--opt",
-        action="append",
-        metavar="NAME=VALUE",
-        default=[],
-        help="a load option of the checkpoint's format " + _OPT_HELP,
-    )
+    add_opt(p, "a load option of the checkpoint's format ")
     p.add_argument(
         "--json",
         action="store_true",
         help="print the checkpoint's info as JSON with \"ok\" (and the format's report)",
     )
 
-    p = add(
+    add(
         "checksum",
         _cmd_checksum,
-        help="write a checksum manifest that `verify` checks",
-        description=_para(
-            "Record the size and xxh3_64 checksum of every file of the checkpoint in a "
-            "sidecar manifest the original systems ignore: <file>.pytreeio-sum.json next to a "
-            "single file, pytreeio-sum.json inside a directory (the next save of a directory "
-            "checkpoint drops it). `pytreeio verify` and load(..., verify=True) check it and "
-            "name the file that changed."
-        ),
-        epilog=f"{formats_text}\n\n{_EXIT}",
-    )
-    p.add_argument("path", metavar="PATH", help="the checkpoint: file, directory or stem")
-    p.add_argument(
-        "--format", metavar="NAME", help=f"its format (default: sniffed from the content): {names}"
+        "write a checksum manifest that `verify` checks",
+        "Record the size and xxh3_64 checksum of every file of the checkpoint in a sidecar "
+        "manifest the original systems ignore: <file>.pytreeio-sum.json next to a single file, "
+        "pytreeio-sum.json inside a directory (the next save of a directory checkpoint drops "
+        "it). `pytreeio verify` and load(..., verify=True) check it and name the file that "
+        "changed.",
+        path=True,
     )
 
     p = add(
         "convert",
         _cmd_convert,
-        help="re-encode a checkpoint in another format",
-        description=_para(
-            "Re-encode the checkpoint SRC as format --to at DST (written atomically). "
-            "Between model formats it goes through the common model form; what the target cannot "
-            "hold is an error unless --lossy."
-        ),
-        epilog=f"{formats_text}\n\n{_EXIT}",
+        "re-encode a checkpoint in another format",
+        "Re-encode the checkpoint SRC as format --to at DST (written atomically). Between model "
+        "formats it goes through the common model form; what the target cannot hold is an "
+        "error unless --lossy.",
     )
     p.add_argument("src", metavar="SRC", help="the checkpoint to read: file, directory or stem")
     p.add_argument("dst", metavar="DST", help="where to write (a file, directory or stem)")
@@ -604,13 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JSON|@FILE",
         help="the target's meta as a JSON object (or @FILE holding one), instead of the source's",
     )
-    p.add_argument(
-        "--opt",
-        action="append",
-        metavar="NAME=VALUE",
-        default=[],
-        help="a load option of the source's format or a save option of the target's; " + _OPT_HELP,
-    )
+    add_opt(p, "a load option of the source's format or a save option of the target's; ")
     p.add_argument(
         "--lossy",
         action="store_true",
@@ -626,15 +550,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(
         "diff",
         _cmd_diff,
-        help="compare two checkpoints (any formats), entry by entry",
-        description=_para(
-            "Compare two checkpoints entry by entry: entries missing on either side, "
-            "shape and dtype differences, elements that differ, largest absolute and relative "
-            "difference, and a one-line verdict (identical / equal within tolerance / different). "
-            "Checkpoints of two different model formats are compared through the common model form "
-            "(keys layers[0].kernel, opt.mu[0], opt.count); others by flattened key path. With no "
-            "tolerance, entries must be bit-identical (NaN payloads included)."
-        ),
+        "compare two checkpoints (any formats), entry by entry",
+        "Compare two checkpoints entry by entry: entries missing on either side, shape and "
+        "dtype differences, elements that differ, largest absolute and relative difference, "
+        "and a one-line verdict (identical / equal within tolerance / different). Checkpoints "
+        "of two different model formats are compared through the common model form (keys "
+        "layers[0].kernel, opt.mu[0], opt.count); others by flattened key path. With no "
+        "tolerance, entries must be bit-identical (NaN payloads included).",
         epilog=f"{formats_text}\n\nexit status: 0 identical (or equal within the tolerance "
         "given), 1 different or an error, 2 usage error",
     )
@@ -675,17 +597,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(
         "demo",
         _cmd_demo,
-        help="train a small Flax model, checkpoint it in every format, convert, resume",
-        description=_para(
-            "Train a small Flax MLP with optax, checkpoint it in every format, convert "
-            "it along a chain of formats and resume training from a foreign checkpoint."
-        ),
+        "train a small Flax model, checkpoint it in every format, convert, resume",
+        "Train a small Flax MLP with optax, checkpoint it in every format, convert it along a "
+        "chain of formats and resume training from a foreign checkpoint.",
     )
-    p.add_argument(
-        "--dir",
-        default=None,
-        help="where to write the checkpoints (default: a temporary directory)",
-    )
+    p.add_argument("--dir", help="where to write the checkpoints (default: a temporary directory)")
     p.add_argument(
         "--steps",
         type=_positive_int,
@@ -695,9 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# --------------------------------------------------------------------------
-# errors and warnings
-# --------------------------------------------------------------------------
+# --- errors and warnings ---
 
 
 def _name(filename: object) -> str:
@@ -725,14 +639,7 @@ def _warnings_as_lines(quiet: bool) -> Iterator[None]:
     """Print each warning once as ``pytreeio: warning: ...`` (nothing under ``--quiet``)."""
     seen: set[str] = set()
 
-    def show(
-        message: Warning | str,
-        category: type[Warning],
-        filename: str,
-        lineno: int,
-        file: Any = None,
-        line: str | None = None,
-    ) -> None:
+    def show(message: Warning | str, category: type[Warning], *where: Any, **_: Any) -> None:
         if quiet or issubclass(category, DeprecationWarning | PendingDeprecationWarning):
             return
         text = " ".join(str(message).split())
@@ -749,11 +656,6 @@ def _warnings_as_lines(quiet: bool) -> Iterator[None]:
         yield
 
 
-def _usage_error(args: argparse.Namespace, parser: argparse.ArgumentParser, msg: str) -> NoReturn:
-    getattr(args, "parser", parser).error(msg)
-    raise AssertionError("unreachable")  # ArgumentParser.error exits
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (argparse usage errors exit with 2)."""
     parser = build_parser()
@@ -765,7 +667,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.close()
             return EXIT_OK
         except UsageError as exc:
-            _usage_error(args, parser, str(exc))
+            command: argparse.ArgumentParser = getattr(args, "parser", parser)
+            command.error(str(exc))  # exits with status 2
         except KeyboardInterrupt:
             if args.debug:
                 raise

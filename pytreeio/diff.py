@@ -5,38 +5,33 @@ pair of arrays at a time, in chunks: nothing is concatenated), reporting per
 entry whether it is missing on either side, whether shapes or dtypes differ,
 how many elements differ, and the largest absolute and relative difference.
 
-**What is compared.**  Two checkpoints of the same format, or of formats of
-which at least one is generic (``msgpack``, ``safetensors``), are compared as
-native trees, keyed by their flattened key paths (:func:`pytreeio.flatten`;
-between two different formats sequence indices ``[0]`` and string keys
-``'0'`` are the same key, since msgpack stores lists as ``'0', '1'`` maps).
-Two checkpoints of different *model* formats (netcl and DataCode, bullet and
-cl-waffe2, ...) name and orient their arrays differently, so they are
-compared through the common model form (DESIGN.md "Models"): each format's
-``to_model`` gives a :class:`~pytreeio.model.form.Model`, and its layers' arrays
-(Flax orientation) are compared as ``layers[0].kernel``, ``layers[0].bias``,
-..., its optimizer slots as ``opt.mu[0]`` (by parameter position) and the
-step count as ``opt.count`` when both checkpoints hold an optimizer state.
-A generic checkpoint that holds a Flax tree is compared with a model format
-the same way (its layer list taken from the other side), and a safetensors
-file that carries a model format's native tree (what :func:`pytreeio.convert`
-writes, see :mod:`pytreeio.engine.conversion`) compares as that format.
-``through_model=True``/``False`` forces either way.
+**What is compared.**  Checkpoints of one format, or where one is generic
+(``msgpack``, ``safetensors``), are compared as native trees keyed by their
+flattened key paths (between two formats, ``[0]`` and ``'0'`` are one key:
+msgpack stores lists as ``'0', '1'`` maps).  Checkpoints of two different
+*model* formats name and orient their arrays differently, so they are
+compared through the common model form (DESIGN.md "Models"): the layers'
+arrays (Flax orientation) as ``layers[0].kernel``, the optimizer slots as
+``opt.mu[0]`` (by parameter position), the step count as ``opt.count``.  A
+generic checkpoint holding a Flax tree compares with a model format the same
+way (with the other side's layer list), and a safetensors file carrying a
+model format's native tree (what :func:`pytreeio.convert` writes) compares as
+that format.  ``through_model=True``/``False`` forces either way.
 
-Layers without arrays (activations) are not stored by every format (bullet
-and netcl-checkpoint keep none), so when the layer lists differ only there,
-the arrays are paired by parameter layer and the difference is a note, as
-are optimizer kinds, hyperparameters and meta: notes do not change the verdict.
+Activations are not stored by every format (bullet and netcl-checkpoint keep
+none), so when the layer lists differ only there, the arrays are paired by
+parameter layer.  That, and differing optimizer kinds, hyperparameters and
+meta, are notes: notes do not change the verdict.
 
 **Verdict.**  ``identical``: every entry on both sides, same shape, same
 dtype, same bytes (NaN payloads and signed zeros included).  ``equal within
 tolerance``: a tolerance was given (``atol``/``rtol`` > 0), and every entry
 has the same shape and dtype and every element satisfies
-``|a - b| <= atol + rtol * max(|a|, |b|)`` (symmetric, so ``diff(a, b)`` and
-``diff(b, a)`` agree), NaN matching NaN.  ``different``: anything else.  With
-the default zero tolerances the comparison is of bits: an entry that differs
-only in a NaN payload or the sign of a zero is *different* (its maximum
-difference is 0 and the report says why).
+``|a - b| <= atol + rtol * max(|a|, |b|)`` (symmetric), NaN matching NaN.
+``different``: anything else.  With the default zero tolerances the
+comparison is of bits: an entry that differs only in a NaN payload or the
+sign of a zero is *different* (its maximum difference is 0 and the report
+says why).
 
 Differences are computed in float64 (complex128 for complex entries), so for
 integers beyond 2**53 they are approximate; which elements differ is always
@@ -47,17 +42,21 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from itertools import zip_longest
 from typing import Any
 
 import numpy as np
 
 from pytreeio import api
-from pytreeio.core.errors import PytreeioError
+from pytreeio.core.errors import MismatchError, PytreeioError
 from pytreeio.core.records import Format
 from pytreeio.core.tree import iter_leaves, key_string
+from pytreeio.engine.dispatch import carried
 from pytreeio.formats import registry
+from pytreeio.model.form import Model, is_flax_tree, layer_list
 
 __all__ = ["diff", "diff_trees", "compare_leaves", "DiffReport", "EntryDiff", "STATUSES"]
 
@@ -78,9 +77,7 @@ STATUSES = (
 CHUNK = 1 << 20
 
 
-# --------------------------------------------------------------------------
-# the report
-# --------------------------------------------------------------------------
+# --- the report ---
 
 
 @dataclass(frozen=True)
@@ -90,15 +87,14 @@ class EntryDiff:
     Attributes:
       key: the entry's key (a flattened key path, or ``layers[0].kernel``-style).
       status: one of :data:`STATUSES`.
-      shape_a, shape_b, dtype_a, dtype_b: each side's shape and dtype (None when absent).
+      shape_a, shape_b, dtype_a, dtype_b: each side's (None when absent).
       size: elements compared (0 when shapes differ or a side is missing).
-      n_different: elements whose bytes differ (or whose values differ, between dtypes).
+      n_different: elements whose bytes differ (between dtypes: whose values differ).
       n_exceeding: elements outside the tolerance (with zero tolerance: whose values differ).
-      max_abs: largest ``|a - b|`` (None when nothing numeric was compared).
-      max_rel: largest ``|a - b| / max(|a|, |b|)``.
-      nan_payloads: elements NaN on both sides with different bytes.
-      nan_mismatches: elements NaN on one side only.
-      signed_zeros: elements ``0.0`` on one side and ``-0.0`` on the other.
+      max_abs, max_rel: largest ``|a - b|`` and ``|a - b| / max(|a|, |b|)`` (None:
+        nothing numeric compared).
+      nan_payloads, nan_mismatches, signed_zeros: elements NaN on both sides with
+        different bytes, NaN on one side only, ``0.0`` against ``-0.0``.
     """
 
     key: str
@@ -121,39 +117,21 @@ class EntryDiff:
         return self.status == "identical"
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "status": self.status,
-            "shape_a": list(self.shape_a) if self.shape_a is not None else None,
-            "shape_b": list(self.shape_b) if self.shape_b is not None else None,
-            "dtype_a": self.dtype_a,
-            "dtype_b": self.dtype_b,
-            "size": self.size,
-            "n_different": self.n_different,
-            "n_exceeding": self.n_exceeding,
-            "max_abs": _json_float(self.max_abs),
-            "max_rel": _json_float(self.max_rel),
-            "nan_payloads": self.nan_payloads,
-            "nan_mismatches": self.nan_mismatches,
-            "signed_zeros": self.signed_zeros,
-        }
+        out = asdict(self)
+        for k in ("shape_a", "shape_b"):
+            out[k] = list(out[k]) if out[k] is not None else None
+        out["max_abs"], out["max_rel"] = _json_float(self.max_abs), _json_float(self.max_rel)
+        return out
 
     def line(self) -> str:
         """One line describing the entry (for the command's output)."""
         a = _describe(self.dtype_a, self.shape_a)
         b = _describe(self.dtype_b, self.shape_b)
-        if self.status == "only in A":
-            return f"{self.key}: only in A ({a})"
-        if self.status == "only in B":
-            return f"{self.key}: only in B ({b})"
-        if self.status == "shape differs":
-            return f"{self.key}: shape differs ({a} vs {b})"
-        parts = [f"{self.key}: {self.status}"]
-        if self.status == "dtype differs":
-            parts[0] += f" ({a} vs {b})"
-        else:
-            parts[0] += f" ({a})"
-        if self.status != "identical":
+        if self.status in ("only in A", "only in B"):
+            return f"{self.key}: {self.status} ({a if self.status == 'only in A' else b})"
+        both = f"{a} vs {b}" if self.status in ("shape differs", "dtype differs") else a
+        parts = [f"{self.key}: {self.status} ({both})"]
+        if self.status not in ("identical", "shape differs"):
             parts.append(f"{self.n_different:,d} of {self.size:,d} elements differ")
             if self.max_abs is not None:
                 parts.append(f"max abs {_fmt(self.max_abs)}, max rel {_fmt(self.max_rel)}")
@@ -197,17 +175,9 @@ class DiffReport:
     notes: tuple[str, ...] = field(default=())
 
     @property
-    def tolerant(self) -> bool:
-        """Whether a tolerance was given (else the comparison is of bytes)."""
-        return self.atol > 0 or self.rtol > 0
-
-    @property
     def counts(self) -> dict[str, int]:
         """Entries per status (every status present, zeros included)."""
-        out = dict.fromkeys(STATUSES, 0)
-        for e in self.entries:
-            out[e.status] += 1
-        return out
+        return dict.fromkeys(STATUSES, 0) | Counter(e.status for e in self.entries)
 
     @property
     def verdict(self) -> str:
@@ -245,14 +215,9 @@ class DiffReport:
         return f"different: {bad:,d} of {n:,d} entries ({detail})"
 
     def to_json(self) -> dict[str, Any]:
+        head = ("a", "b", "format_a", "format_b", "mode", "atol", "rtol")
         return {
-            "a": self.a,
-            "b": self.b,
-            "format_a": self.format_a,
-            "format_b": self.format_b,
-            "mode": self.mode,
-            "atol": self.atol,
-            "rtol": self.rtol,
+            **{k: getattr(self, k) for k in head},
             "verdict": self.verdict,
             "ok": self.ok,
             "summary": self.summary(),
@@ -262,8 +227,12 @@ class DiffReport:
         }
 
     def __str__(self) -> str:
+        return self.text()
+
+    def text(self, *, every_entry: bool = False) -> str:
+        """The report as the command prints it (identical entries only ``every_entry``)."""
         lines = [f"A: {self.a} ({self.format_a})", f"B: {self.b} ({self.format_b})"]
-        lines += [f"  {e.line()}" for e in self.entries if not e.identical]
+        lines += [f"  {e.line()}" for e in self.entries if every_entry or not e.identical]
         lines += [f"note: {n}" for n in self.notes]
         lines.append(self.summary())
         return "\n".join(lines)
@@ -280,28 +249,22 @@ def _fmt(x: float | None) -> str:
 
 
 def _describe(dtype: str | None, shape: tuple[int, ...] | None) -> str:
-    if dtype is None:
-        return "absent"
-    return f"{dtype}{list(shape) if shape is not None else ''}"
+    return "absent" if dtype is None else f"{dtype}{list(shape) if shape is not None else ''}"
 
 
-# --------------------------------------------------------------------------
-# comparing one pair of leaves
-# --------------------------------------------------------------------------
+# --- comparing one pair of leaves ---
 
 
 def _as_array(leaf: Any) -> np.ndarray | None:
     """The leaf as a numpy array (None for leaves that are not numbers or arrays)."""
-    if isinstance(leaf, np.ndarray):
-        return leaf
-    if isinstance(leaf, str | bytes):
+    if isinstance(leaf, str | bytes) or not (
+        hasattr(leaf, "__array__") or isinstance(leaf, int | float | complex | np.generic)
+    ):
         return None
-    if hasattr(leaf, "__array__") or isinstance(leaf, int | float | complex | np.generic):
-        try:
-            return np.asarray(leaf)
-        except Exception:
-            return None
-    return None
+    try:
+        return np.asarray(leaf)
+    except Exception:
+        return None
 
 
 def _leaf_desc(leaf: Any) -> tuple[tuple[int, ...] | None, str]:
@@ -313,29 +276,19 @@ def _leaf_desc(leaf: Any) -> tuple[tuple[int, ...] | None, str]:
 
 def _chunks(a: np.ndarray, b: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Matching flat chunks of two same-shape arrays, without copying either as a whole."""
-    if a.ndim == 0:
-        yield a.reshape(1), b.reshape(1)
-    elif a.flags.c_contiguous and b.flags.c_contiguous:
-        fa, fb = a.reshape(-1), b.reshape(-1)
-        for s in range(0, fa.size, CHUNK):
-            yield fa[s : s + CHUNK], fb[s : s + CHUNK]
-    elif a.ndim == 1:
-        for s in range(0, a.shape[0], CHUNK):
-            yield np.ascontiguousarray(a[s : s + CHUNK]), np.ascontiguousarray(b[s : s + CHUNK])
-    else:
-        row = math.prod(a.shape[1:])
-        if row == 0:
-            return
-        if row >= CHUNK:  # one row is itself large: a level down
-            for i in range(a.shape[0]):
-                yield from _chunks(a[i], b[i])
-            return
-        step = CHUNK // row
-        for s in range(0, a.shape[0], step):
-            yield (
-                np.ascontiguousarray(a[s : s + step]).reshape(-1),
-                np.ascontiguousarray(b[s : s + step]).reshape(-1),
-            )
+    if a.flags.c_contiguous and b.flags.c_contiguous:
+        a, b = a.reshape(-1), b.reshape(-1)
+    row = math.prod(a.shape[1:])
+    if row > CHUNK:  # one row is itself large: a level down
+        for i in range(a.shape[0]):
+            yield from _chunks(a[i], b[i])
+        return
+    step = CHUNK // max(row, 1)
+    for s in range(0, a.shape[0], step):
+        yield (
+            np.ascontiguousarray(a[s : s + step]).reshape(-1),
+            np.ascontiguousarray(b[s : s + step]).reshape(-1),
+        )
 
 
 def _bits_differ(ca: np.ndarray, cb: np.ndarray) -> np.ndarray:
@@ -459,53 +412,27 @@ def compare_leaves(key: str, a: Any, b: Any, *, atol: float = 0.0, rtol: float =
         status = "within tolerance"
     else:
         status = "values differ"
-    return replace(
-        base,
-        status=status,
-        size=int(xa.size),
-        n_different=stats.n_different,
-        n_exceeding=stats.n_exceeding,
-        max_abs=stats.max_abs,
-        max_rel=stats.max_rel,
-        nan_payloads=stats.nan_payloads,
-        nan_mismatches=stats.nan_mismatches,
-        signed_zeros=stats.signed_zeros,
-    )
+    counts = {k: v for k, v in vars(stats).items() if k != "n_unequal"}  # EntryDiff's fields
+    return replace(base, status=status, size=int(xa.size), **counts)
 
 
-def _compare_maps(
-    a: Mapping[str, Any], b: Mapping[str, Any], atol: float, rtol: float
-) -> list[EntryDiff]:
-    out = [compare_leaves(k, v, b.get(k), atol=atol, rtol=rtol) for k, v in a.items()]
-    out += [compare_leaves(k, None, v, atol=atol, rtol=rtol) for k, v in b.items() if k not in a]
-    return out
+# --- native trees ---
 
 
-# --------------------------------------------------------------------------
-# native trees
-# --------------------------------------------------------------------------
+def _as_key(c: Any) -> Any:
+    return str(c[1]) if isinstance(c, tuple) else str(c) if isinstance(c, int) else c
 
 
-def _flat(tree: Any, normalise: bool) -> tuple[dict[str, Any], bool]:
-    """Flattened leaves (``None`` leaves dropped); with ``normalise``, ``[i]`` and ``#i`` become ``'i'``.
-
-    Returns the mapping and whether normalising was possible without collisions.
-    """
-    raw: dict[str, Any] = {}
-    norm: dict[str, Any] = {}
-    ok = normalise
+def _flat(tree: Any, normalise: bool) -> dict[str, Any] | None:
+    """Leaves by key string (``None`` leaves dropped); with ``normalise``, ``[i]`` and ``#i``
+    become ``'i'``, and None is returned when keys then collide."""
+    out: dict[str, Any] = {}
     for path, leaf in iter_leaves(tree):
-        raw[key_string(path)] = leaf
-        if ok:
-            comps = [
-                str(c[1]) if isinstance(c, tuple) else str(c) if isinstance(c, int) else c
-                for c in path
-            ]
-            k = key_string(comps)
-            if k in norm:
-                ok = False
-            norm[k] = leaf
-    return (norm, True) if ok else (raw, False)
+        k = key_string([_as_key(c) for c in path] if normalise else path)
+        if k in out:
+            return None
+        out[k] = leaf
+    return out
 
 
 def _meta_notes(meta_a: Mapping[str, Any], meta_b: Mapping[str, Any]) -> list[str]:
@@ -528,31 +455,23 @@ def _same(x: Any, y: Any) -> bool:
 def _native_entries(
     tree_a: Any, tree_b: Any, atol: float, rtol: float, normalise: bool
 ) -> list[EntryDiff]:
-    fa, oka = _flat(tree_a, normalise)
-    fb, okb = _flat(tree_b, normalise)
-    if normalise and not (oka and okb):  # keys collide once normalised: compare as they are
-        fa, _ = _flat(tree_a, False)
-        fb, _ = _flat(tree_b, False)
-    return _compare_maps(fa, fb, atol, rtol)
+    fa, fb = _flat(tree_a, normalise), _flat(tree_b, normalise)
+    if fa is None or fb is None:  # keys collide once normalised: compare as they are
+        fa, fb = _flat(tree_a, False) or {}, _flat(tree_b, False) or {}
+    out = [compare_leaves(k, v, fb.get(k), atol=atol, rtol=rtol) for k, v in fa.items()]
+    return out + [
+        compare_leaves(k, None, v, atol=atol, rtol=rtol) for k, v in fb.items() if k not in fa
+    ]
 
 
-# --------------------------------------------------------------------------
-# the common model form
-# --------------------------------------------------------------------------
+# --- the common model form ---
 
 
 def _model_of(fmt: Format, native: Any, meta: Mapping[str, Any], hint: Any = None) -> Any:
     """The :class:`~pytreeio.model.form.Model` of a checkpoint (generic formats: of its Flax tree)."""
-    from pytreeio.core.errors import MismatchError
-    from pytreeio.model.form import Model, is_flax_tree, layer_list
-
     if fmt.to_model is not None:
         return fmt.to_model(native, meta)
-    params = None
-    if is_flax_tree(native):
-        params = native
-    elif isinstance(native, Mapping) and "params" in native and is_flax_tree(native["params"]):
-        params = native["params"]
+    params = _flax_params(native)
     if params is None:
         raise MismatchError(
             f"a {fmt.name} checkpoint that holds no Flax tree has no model form", key_path=""
@@ -569,14 +488,17 @@ def _model_of(fmt: Format, native: Any, meta: Mapping[str, Any], hint: Any = Non
     raise first
 
 
-def _has_model_form(fmt: Format, native: Any) -> bool:
-    from pytreeio.model.form import is_flax_tree
+def _flax_params(native: Any) -> Any:
+    """The Flax tree a generic checkpoint holds (itself, or its ``params`` entry), else None."""
+    if is_flax_tree(native):
+        return native
+    if isinstance(native, Mapping) and "params" in native and is_flax_tree(native["params"]):
+        return native["params"]
+    return None
 
-    if fmt.to_model is not None:
-        return True
-    return is_flax_tree(native) or (
-        isinstance(native, Mapping) and "params" in native and is_flax_tree(native["params"])
-    )
+
+def _has_model_form(fmt: Format, native: Any) -> bool:
+    return fmt.to_model is not None or _flax_params(native) is not None
 
 
 def _types(model: Any) -> list[str]:
@@ -584,6 +506,9 @@ def _types(model: Any) -> list[str]:
 
 
 def _model_entries(ma: Any, mb: Any, atol: float, rtol: float) -> tuple[list[EntryDiff], list[str]]:
+    def cmp(key: str, x: Any, y: Any) -> EntryDiff:
+        return compare_leaves(key, x, y, atol=atol, rtol=rtol)
+
     notes: list[str] = []
     la, lb = list(ma.layers), list(mb.layers)
     if _types(ma) == _types(mb):
@@ -615,20 +540,12 @@ def _model_entries(ma: Any, mb: Any, atol: float, rtol: float) -> tuple[list[Ent
                 notes.append(
                     f"{prefix} ({layer_a.type}) args differ: {dict(layer_a.args)} vs {dict(layer_b.args)}"
                 )
-        names_a = list(layer_a.arrays) if layer_a is not None else []
-        names_b = list(layer_b.arrays) if layer_b is not None else []
-        for name in names_a + [n for n in names_b if n not in names_a]:
-            entries.append(
-                compare_leaves(
-                    f"{prefix}.{name}",
-                    layer_a.arrays.get(name) if layer_a is not None else None,
-                    layer_b.arrays.get(name) if layer_b is not None else None,
-                    atol=atol,
-                    rtol=rtol,
-                )
-            )
+        arrays_a = layer_a.arrays if layer_a is not None else {}
+        arrays_b = layer_b.arrays if layer_b is not None else {}
+        for name in {**arrays_a, **arrays_b}:
+            entries.append(cmp(f"{prefix}.{name}", arrays_a.get(name), arrays_b.get(name)))
     if ma.step is not None and mb.step is not None:
-        entries.append(compare_leaves("step", int(ma.step), int(mb.step), atol=atol, rtol=rtol))
+        entries.append(cmp("step", int(ma.step), int(mb.step)))
     oa, ob = ma.opt_state, mb.opt_state
     if oa is None or ob is None:
         if oa is not None or ob is not None:
@@ -650,32 +567,15 @@ def _model_entries(ma: Any, mb: Any, atol: float, rtol: float) -> tuple[list[Ent
             )
         )
     if oa.count is not None and ob.count is not None:
-        entries.append(
-            compare_leaves("opt.count", int(oa.count), int(ob.count), atol=atol, rtol=rtol)
-        )
+        entries.append(cmp("opt.count", int(oa.count), int(ob.count)))
     elif oa.count is not None or ob.count is not None:
         notes.append(f"only {'A' if oa.count is not None else 'B'} holds a step count")
-    slots = list(oa.slots) + [s for s in ob.slots if s not in oa.slots]
-    for slot in slots:
-        xs: Sequence[Any] = oa.slots.get(slot) or []
-        ys: Sequence[Any] = ob.slots.get(slot) or []
-        for j in range(max(len(xs), len(ys))):
-            x = xs[j] if j < len(xs) else None
-            y = ys[j] if j < len(ys) else None
-            if x is None and y is None:
-                continue  # masked out on both sides
-            entries.append(compare_leaves(f"opt.{slot}[{j}]", x, y, atol=atol, rtol=rtol))
+    for slot in {**oa.slots, **ob.slots}:
+        pairs_ = zip_longest(oa.slots.get(slot) or [], ob.slots.get(slot) or [])
+        for j, (x, y) in enumerate(pairs_):
+            if x is not None or y is not None:  # None on both sides: masked out
+                entries.append(cmp(f"opt.{slot}[{j}]", x, y))
     return entries, notes
-
-
-def _carried(fmt: Format, meta: dict[str, Any]) -> tuple[Format, dict[str, Any]]:
-    """The format (and meta) of the tree a checkpoint holds (see :func:`pytreeio.engine.conversion.carried`)."""
-    try:
-        from pytreeio.engine.dispatch import carried
-    except ImportError:  # pragma: no cover - older layouts of the package
-        return fmt, meta
-    inner, inner_meta = carried(fmt, meta)
-    return inner, dict(inner_meta or {})
 
 
 def _model_diff(
@@ -703,15 +603,11 @@ def _model_diff(
     return entries, notes
 
 
-# --------------------------------------------------------------------------
-# public functions
-# --------------------------------------------------------------------------
+# --- public functions ---
 
 
 def _format_of(path: PathLike, format: str | Format | None) -> Format:
-    if format is not None:
-        return registry.get(format, path=path)
-    return registry.get(api.inspect(path).format, path=path)
+    return registry.get(format if format is not None else api.inspect(path).format, path=path)
 
 
 def diff(
@@ -780,20 +676,20 @@ def diff_trees(
     notes: list[str] = []
     # a generic file carrying a model format's native tree (a netcl file converted to
     # safetensors) compares as that format
-    fa, meta_a = _carried(container_a, dict(meta_a or {}))
-    fb, meta_b = _carried(container_b, dict(meta_b or {}))
+    fa, inner_a = carried(container_a, dict(meta_a or {}))
+    fb, inner_b = carried(container_b, dict(meta_b or {}))
+    meta_a, meta_b = dict(inner_a or {}), dict(inner_b or {})
     for side, container, fmt in (("A", container_a, fa), ("B", container_b, fb)):
         if fmt is not container:
             notes.append(f"{side} is a {container.name} file carrying a {fmt.name} checkpoint")
-    if through_model is None:
+    use_model = through_model
+    if use_model is None:
         use_model = (
             fa is not fb
             and (fa.is_model_format or fb.is_model_format)
             and _has_model_form(fa, native_a)
             and _has_model_form(fb, native_b)
         )
-    else:
-        use_model = through_model
     entries: list[EntryDiff] = []
     if use_model:
         try:

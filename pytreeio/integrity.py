@@ -58,7 +58,8 @@ from typing import Any
 
 import numpy as np
 
-from pytreeio import io, jsonsafe
+from pytreeio import io
+from pytreeio.core import jsonsafe
 from pytreeio.core.digest import ALGORITHM, array_checksum, buffer_checksum
 from pytreeio.core.errors import FormatError
 

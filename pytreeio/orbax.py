@@ -20,8 +20,7 @@ writes::
                          pair for netcl-checkpoint)
     pytreeio.json        {"version": 1, "format": ..., "layout": "single", "path": ...}
 
-and nothing else: the lock files pytreeio's atomic writes take are removed
-once the item is written (orbax gives each item directory one writer).
+and nothing else (pytreeio's saves lock the directory itself and leave no lock files).
 
 ``pytreeio.json`` is the item's metadata: restore reads the format from it,
 and ``CheckpointManager.item_metadata(step)`` returns the checkpoint's
@@ -50,7 +49,6 @@ This module imports orbax; ``import pytreeio`` does not import it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import json
@@ -66,10 +64,10 @@ from orbax.checkpoint import future as ocp_future
 from pytreeio import api, async_save, io
 from pytreeio.core import shards
 from pytreeio.core.errors import EncodeError, FormatError
+from pytreeio.core.jsonsafe import loads as json_loads
 from pytreeio.core.records import Encoded, Format, Info
 from pytreeio.engine import dispatch
 from pytreeio.formats import registry
-from pytreeio.jsonsafe import loads as json_loads
 
 __all__ = [
     "METADATA_NAME",
@@ -85,8 +83,6 @@ _METADATA_VERSION = 1
 #: The one layout written so far (see the module docstring).
 _SINGLE = "single"
 _STEM = "checkpoint"
-#: The suffix of io's lock files (``.<name>.pytreeio-lock``).
-_LOCK = io._LOCK_SUFFIX
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 
@@ -208,24 +204,7 @@ def _write(directory: Path, pending: _Pending) -> None:
     # Written last: an item with a record has its checkpoint complete.
     doc = json.dumps(record, indent=1).encode()
     io.write_file_atomic(directory / METADATA_NAME, Encoded(chunks=(doc,)), durable=pending.durable)
-    _drop_locks(directory)
     dispatch.deliver_deferred(pending.encoded)
-
-
-def _drop_locks(directory: Path) -> None:
-    """Remove the lock files pytreeio's writes left in the item directory.
-
-    io keeps a destination's lock file for good (deleting one a rival saver
-    may have opened would let two savers both hold "the" lock); here orbax
-    gives each item directory one writer, this one, which has finished, so
-    the item holds only its checkpoint and its record.  A lock file a crash
-    leaves behind is harmless.
-    """
-    with os.scandir(directory) as entries:
-        locks = [e.path for e in entries if e.name.startswith(".") and e.name.endswith(_LOCK)]
-    for lock in locks:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(lock)
 
 
 # --------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 
 import pytreeio as ptio
 from pytreeio import async_save, io
+from pytreeio.io import atomic
 
 
 def _tree(seed: int = 0) -> dict[str, Any]:
@@ -67,7 +68,7 @@ def test_caller_may_mutate_arrays_right_after_the_call(tmp_path: Path) -> None:
     }
     # Hold the destination's lock so the background write cannot start before we mutate.
     dest = tmp_path / "m.msgpack"
-    with io._saving([io._resolve(dest)], durable=False):
+    with atomic._saving([atomic.resolve(dest)], durable=False):
         fut = ptio.save_async(dest, tree)
         tree["params"]["dense"]["kernel"][:] = 0
         tree["params"]["big"] += 1
@@ -80,7 +81,7 @@ def test_caller_may_mutate_arrays_right_after_the_call(tmp_path: Path) -> None:
 def test_saves_to_one_destination_land_in_order(tmp_path: Path) -> None:
     dest = tmp_path / "o.safetensors"
     trees = [{"x": np.full(200_000, i, dtype=np.int32)} for i in range(4)]
-    with io._saving([io._resolve(dest)], durable=False):  # all four queue up behind the lock
+    with atomic._saving([atomic.resolve(dest)], durable=False):  # all four queue up behind the lock
         futures = [ptio.save_async(dest, t, durable=False) for t in trees]
     for f in futures:
         f.result()
@@ -93,7 +94,7 @@ def test_sync_save_waits_for_pending_async_save(tmp_path: Path) -> None:
     holder_ready = threading.Event()
 
     def hold_lock() -> None:
-        with io._saving([io._resolve(dest)], durable=False):
+        with atomic._saving([atomic.resolve(dest)], durable=False):
             holder_ready.set()
             release.wait(10)
 
@@ -178,7 +179,7 @@ def test_sibling_and_directory_layouts(tmp_path: Path) -> None:
 
 def test_cannot_be_cancelled(tmp_path: Path) -> None:
     dest = tmp_path / "k.msgpack"
-    with io._saving([io._resolve(dest)], durable=False):
+    with atomic._saving([atomic.resolve(dest)], durable=False):
         fut = ptio.save_async(dest, {"x": np.zeros(2)})
         assert fut.cancel() is False
     fut.result()
@@ -231,7 +232,7 @@ def test_write_error_surfaces_and_keeps_the_old_file(
     def disk_full(fd: int, chunks: Any, *_: Any) -> None:  # (fd, chunks, writeback)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(io, "_write_chunks", disk_full)
+    monkeypatch.setattr(atomic, "_write_chunks", disk_full)
     fut = ptio.save_async(dest, {"x": np.ones(3)})
     with pytest.raises(OSError) as info:
         fut.result()

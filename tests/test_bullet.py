@@ -31,6 +31,7 @@ from pytreeio.core.errors import (
 )
 from pytreeio.core.records import Probe
 from pytreeio.formats.bullet import checkpoint as B
+from pytreeio.formats.bullet.layout import ALIGN
 from pytreeio.model.form import Layer, Model, model_of, restore_model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -271,6 +272,33 @@ def test_overflow_through_the_api(tmp_path: Path) -> None:
         ptio.save(ck, bad, format="bullet", meta={"saved_format": layout}, strict=True)
     assert "quantised.bin" not in listing(ck)
     assert_trees_equal(ptio.load(ck, format="bullet"), bad)
+
+
+def test_empty_quantised_bin_of_a_failed_bullet_save_reads_as_absent(tmp_path: Path) -> None:
+    """bullet creates quantised.bin before quantising: an overflow leaves it 0 bytes."""
+    ck = tmp_path / "net-10"
+    layout = B.classic_layout([QA, QB])
+    bad = state_tree(overflowing())
+    with pytest.warns(PytreeioWarning, match="l1b"):
+        ptio.save(ck, bad, format="bullet", meta={"saved_format": layout})
+    (ck / "quantised.bin").write_bytes(b"")
+    with pytest.warns(PytreeioWarning, match=r"quantised\.bin is empty"):
+        back, meta = ptio.load_with_meta(ck, format="bullet", saved_format=layout)
+    assert_trees_equal(back, bad)
+    assert meta["saved_format"] == layout
+    f = {k: bytes(v) for k, v in files(B.encode(bad, meta={"saved_format": layout})).items()}
+    f["quantised.bin"] = b""
+    with pytest.warns(PytreeioWarning, match=r"quantised\.bin"):
+        assert_trees_equal(B.raw_tensors(f, layout), bad["weights"])
+    with pytest.warns(PytreeioWarning), pytest.raises(FormatError, match=r"no quantised\.bin"):
+        B.decode(f, saved_format=layout, check_quantised=True)
+    with pytest.warns(PytreeioWarning), pytest.raises(FormatError, match=r"no quantised\.bin"):
+        B.quantised_tensors(f, layout)
+    # without a layout quantised.bin is not looked at; an empty layout needs no data
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        B.decode(f)
+        B.decode({**f, "raw.bin": b""}, saved_format=[], shapes={})
 
 
 # --------------------------------------------------------------------------
@@ -1030,8 +1058,8 @@ def test_a_load_reads_raw_bin_only_to_compare_it() -> None:
 
     native, meta = B.decode(Files(buffers), saved_format=sf)
     q_size = len(buffers[B.QUANTISED])
-    assert ranged[B.RAW] == [] and 0 < sum(n for _, n in ranged[B.QUANTISED]) < B.ALIGN
-    assert all(q_size - B.ALIGN < at for at, _ in ranged[B.QUANTISED])  # the padding only
+    assert ranged[B.RAW] == [] and 0 < sum(n for _, n in ranged[B.QUANTISED]) < ALIGN
+    assert all(q_size - ALIGN < at for at, _ in ranged[B.QUANTISED])  # the padding only
     want = B.decode(buffers, saved_format=sf)
     assert_trees_equal(native, want.tree)
     assert meta == want.meta

@@ -40,6 +40,7 @@ import os, sys, time
 from pathlib import Path
 import numpy as np
 from pytreeio import io
+from pytreeio.io import atomic
 from pytreeio.core.records import DIRECTORY
 from pytreeio.core.records import FILE
 from pytreeio.core.records import Encoded
@@ -73,9 +74,9 @@ def pause_after_first(real):
     return hook
 
 if mode == "pause":  # stop between the two commit renames of a sibling pair
-    io._rename = pause_after_first(io._rename)
+    atomic._rename = pause_after_first(atomic._rename)
 elif mode == "fallback-pause":  # directory swap without renameat2, stopped between its renames
-    io._exchange = lambda a, b: False
+    atomic._exchange = lambda a, b: False
     os.rename = pause_after_first(os.rename)
 
 k = 0

@@ -28,6 +28,7 @@ import pytest
 from saver_process import SaverProcess
 
 import pytreeio as ptio
+from pytreeio.core.records import Siblings
 
 ROUNDS = 6
 
@@ -35,7 +36,8 @@ CHILD = r"""
 import os, sys, time
 import numpy as np
 import pytreeio as ptio
-from pytreeio import io
+from pytreeio.core.records import Siblings
+from pytreeio.io import atomic
 
 dest, fmt, mode, base = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 
@@ -82,17 +84,17 @@ META = {"tinyllama": {"config": {"n_heads": 4, "dropout": 0.0}},
         "netcl": {"config": ["Linear", "ReLU", "Linear"]}}
 
 if mode == "parallel":  # every directory written one file per thread, however small
-    io._PARALLEL_DIR_MIN = io._PARALLEL_FILE_MIN = 0
+    atomic._PARALLEL_DIR_MIN = atomic._PARALLEL_FILE_MIN = 0
 
 if mode == "pause":  # stop right between the two commit renames of a sibling pair
-    real, calls = io._rename, []
+    real, calls = atomic._rename, []
     def hook(src, dst):
         real(src, dst)
         calls.append(dst)
         if len(calls) == 1:
             print("between", flush=True)
             time.sleep(3600)
-    io._rename = hook
+    atomic._rename = hook
 
 print("ready", flush=True)
 k = 0
@@ -268,3 +270,18 @@ def test_two_concurrent_savers_always_leave_one_version(
     assert seen
     _save(dest, fmt, 7)
     assert _temporaries(tmp_path) == set()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_saves_and_loads_leave_only_the_checkpoints_files(tmp_path: Path, fmt: str) -> None:
+    """No lock file, temporary or journal stays beside a checkpoint of any layout."""
+    dest = _dest(tmp_path, fmt)
+    layout = ptio.formats()[fmt].layout
+    own = {dest.name}
+    if isinstance(layout, Siblings):
+        own |= {Path(p).name for p in layout.locate(dest).values()}
+    for v in (1, 2):
+        _save(dest, fmt, v)
+        assert _version(dest, fmt) == v
+        names = set(os.listdir(tmp_path))
+        assert names and names <= own, names

@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 
 import pytreeio as ptio
-from pytreeio import io
 
 ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
@@ -56,12 +55,10 @@ def _dest(tmp_path: Path, fmt: str) -> Path:
 
 
 def _snapshot(directory: Path) -> dict[str, bytes]:
-    """Every file below ``directory`` but the lock files (created once, empty), with its bytes."""
+    """Every file below ``directory``, with its bytes."""
     out = {}
     for dirpath, _dirs, files in os.walk(directory):
         for name in files:
-            if name.endswith(".pytreeio-lock"):
-                continue
             p = Path(dirpath) / name
             out[os.path.relpath(p, directory)] = p.read_bytes()
     return out
@@ -105,7 +102,7 @@ def _counting_writes(monkeypatch: pytest.MonkeyPatch, fail_at: int | None) -> li
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data)
 
-    monkeypatch.setattr(io.os, "write", write)
+    monkeypatch.setattr(os, "write", write)
     return calls
 
 
@@ -175,8 +172,8 @@ def _denied(directory: Path, err: int, monkeypatch: pytest.MonkeyPatch) -> Itera
         real_mkdir(path, mode, dir_fd=dir_fd)
 
     with monkeypatch.context() as m:
-        m.setattr(io.os, "open", fake_open)
-        m.setattr(io.os, "mkdir", fake_mkdir)
+        m.setattr(os, "open", fake_open)
+        m.setattr(os, "mkdir", fake_mkdir)
         yield
 
 

@@ -162,7 +162,7 @@ def test_bullet_quantised_file_is_quantise(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------
-# bullet: small integer entries quantised in runs
+# bullet: quantised.bin of many small entries, and its errors
 # --------------------------------------------------------------------------
 
 
@@ -211,14 +211,9 @@ def _quantised_one_by_one(weights: dict[str, np.ndarray], layout: list[dict[str,
     return want + bullet.padding(len(want))
 
 
-@pytest.mark.parametrize(("small", "run"), [(1 << 14, 1 << 18), (30, 50), (1, 1)])
-def test_bullet_runs_of_small_entries_are_quantise(
-    small: int, run: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_bullet_many_small_entries_are_quantised_one_by_one() -> None:
     from pytreeio.formats.bullet import checkpoint as bullet
 
-    monkeypatch.setattr(bullet, "_SMALL_VALUES", small)
-    monkeypatch.setattr(bullet, "_RUN_VALUES", run)
     weights, layout = _many_small_entries()
     encoded = bullet.encode({"weights": weights}, meta={"saved_format": layout})
     assert not encoded.deferred

@@ -20,7 +20,7 @@ def test_pools_used_before_a_fork_work_in_the_child(tmp_path) -> None:
     transpose.copy_transposed(x.T, out)  # starts the shared pool
     assert pools._POOL._pool is not None
     big = tmp_path / "big.bin"
-    big.write_bytes(bytes(range(256)) * ((io._PARALLEL_MIN // 256) + 1))
+    big.write_bytes(bytes(range(256)) * ((io.reads._PARALLEL_MIN // 256) + 1))
     assert bytes(io.read_file(big)[:4]) == b"\x00\x01\x02\x03"  # starts the read pool
     pid = os.fork()
     if pid == 0:  # the child: both pools again, with a watchdog against a hang

@@ -603,13 +603,13 @@ def test_tinyllama_real_files_are_far_inside_the_record_budget() -> None:
 
 
 # --------------------------------------------------------------------------
-# pytreeio.jsonsafe: the one JSON parser for documents read from files
+# pytreeio.core.jsonsafe: the one JSON parser for documents read from files
 # --------------------------------------------------------------------------
 
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from pytreeio import jsonsafe  # noqa: E402
+from pytreeio.core import jsonsafe  # noqa: E402
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(alphabet='ab"\\[]{},:é\n'),

@@ -24,6 +24,7 @@ import pytreeio as ptio
 from pytreeio import io
 from pytreeio.core.errors import FormatError
 from pytreeio.core.records import DIRECTORY, FILE, Encoded, Siblings
+from pytreeio.io import atomic, probes, reads
 
 
 def _pair(p: Path) -> dict[str, Path]:
@@ -43,7 +44,7 @@ def _pair_enc(npz: bytes, js: bytes) -> Encoded:
 
 
 def _leftovers(directory: Path) -> list[str]:
-    """pytreeio temporaries and journals (lock files are meant to stay)."""
+    """pytreeio temporaries and journals."""
     return sorted(
         n for n in os.listdir(directory) if ".pytreeio-tmp-" in n or n.endswith(".pytreeio-journal")
     )
@@ -101,7 +102,7 @@ def test_write_failing_midway_keeps_previous_checkpoint(
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(fd, data)
 
-    monkeypatch.setattr(io.os, "write", failing_write)
+    monkeypatch.setattr(os, "write", failing_write)
     with pytest.raises(OSError, match="No space"):
         io.write_atomic(dest, new, lay)
     monkeypatch.undo()
@@ -112,7 +113,7 @@ def test_write_failing_midway_keeps_previous_checkpoint(
 def _snapshot(directory: Path) -> dict[str, bytes]:
     out = {}
     for p in sorted(directory.rglob("*")):
-        if p.is_file() and not p.name.endswith(".pytreeio-lock"):
+        if p.is_file():
             out[p.relative_to(directory).as_posix()] = p.read_bytes()
     return out
 
@@ -133,7 +134,7 @@ def test_fsync_failure_keeps_previous_checkpoint(
     def bad_fsync(fd: int) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(io.os, "fsync", bad_fsync)
+    monkeypatch.setattr(os, "fsync", bad_fsync)
     with pytest.raises(OSError):
         io.write_atomic(dest, new, lay)
     monkeypatch.undo()
@@ -144,7 +145,7 @@ def test_durable_false_skips_every_fsync_but_is_still_atomic(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     synced: list[int] = []
-    monkeypatch.setattr(io.os, "fsync", lambda fd: synced.append(fd))
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd))
     io.write_atomic(tmp_path / "a", _enc(b"a"), FILE, durable=False)
     io.write_atomic(tmp_path / "p", _pair_enc(b"n", b"j"), SIB, durable=False)
     io.write_atomic(tmp_path / "d", Encoded(files={"x/y": _enc(b"1")}), DIRECTORY, durable=False)
@@ -174,7 +175,7 @@ def test_replacing_keeps_permission_bits(tmp_path: Path) -> None:
 def test_large_chunks_are_written_in_slices(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(io, "_MAX_WRITE", 1000)
+    monkeypatch.setattr(atomic, "_MAX_WRITE", 1000)
     data = np.arange(10000, dtype=np.uint8)
     io.write_file_atomic(tmp_path / "f", Encoded((memoryview(data),)))
     assert (tmp_path / "f").read_bytes() == data.tobytes()
@@ -234,7 +235,7 @@ def test_renameat2_exchange_swaps_directories(tmp_path: Path) -> None:
     a.mkdir()
     b.mkdir()
     (a / "x").write_text("from a")
-    if not io._exchange(a, b):
+    if not atomic._exchange(a, b):
         pytest.skip("renameat2(RENAME_EXCHANGE) is not available on this kernel/filesystem")
     assert (b / "x").read_text() == "from a" and not (a / "x").exists()
 
@@ -242,7 +243,7 @@ def test_renameat2_exchange_swaps_directories(tmp_path: Path) -> None:
 def test_directory_swap_without_renameat2_falls_back_to_two_renames(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(io, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     dest = tmp_path / "ckpt"
     io.write_dir_atomic(dest, Encoded(files={"a.bin": Encoded((b"old",))}))
     io.write_dir_atomic(dest, Encoded(files={"b.bin": Encoded((b"new",))}))
@@ -255,7 +256,7 @@ def test_directory_fallback_rolls_back_when_the_second_rename_fails(
 ) -> None:
     dest = tmp_path / "ckpt"
     io.write_dir_atomic(dest, Encoded(files={"a.bin": Encoded((b"old",))}))
-    monkeypatch.setattr(io, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     real_rename = os.rename
     calls: list[tuple[str, str]] = []
 
@@ -265,7 +266,7 @@ def test_directory_fallback_rolls_back_when_the_second_rename_fails(
             raise OSError(errno.EIO, "Input/output error")
         real_rename(src, dst)
 
-    monkeypatch.setattr(io.os, "rename", rename)
+    monkeypatch.setattr(os, "rename", rename)
     with pytest.raises(OSError, match="Input/output"):
         io.write_dir_atomic(dest, Encoded(files={"b.bin": Encoded((b"new",))}))
     monkeypatch.undo()
@@ -280,7 +281,7 @@ def test_directory_fallback_that_cannot_roll_back_is_finished_by_the_next_load(
     """Both renames back fail (as a kill between them would leave it): the journal completes it."""
     dest = tmp_path / "ckpt"
     io.write_dir_atomic(dest, Encoded(files={"a.bin": Encoded((b"old",))}))
-    monkeypatch.setattr(io, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     real_rename = os.rename
     calls = {"n": 0}
 
@@ -290,7 +291,7 @@ def test_directory_fallback_that_cannot_roll_back_is_finished_by_the_next_load(
             raise OSError(errno.EIO, "Input/output error")
         real_rename(src, dst)
 
-    monkeypatch.setattr(io.os, "rename", rename)
+    monkeypatch.setattr(os, "rename", rename)
     with pytest.raises(OSError, match="half-way"):
         io.write_dir_atomic(dest, Encoded(files={"b.bin": Encoded((b"new",))}))
     monkeypatch.undo()
@@ -317,7 +318,7 @@ def test_directory_reads_are_a_snapshot(tmp_path: Path) -> None:
 def test_directory_beyond_the_eagerly_opened_files_reads_relative_to_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(io, "_EAGER_OPEN", 1)
+    monkeypatch.setattr(reads, "_EAGER_OPEN", 1)
     dest = tmp_path / "ckpt"
     io.write_atomic(dest, Encoded(files={"a": _enc(b"1"), "b": _enc(b"1")}), DIRECTORY)
     with io.open_source(dest, DIRECTORY) as fs:
@@ -336,17 +337,16 @@ def test_directory_beyond_the_eagerly_opened_files_reads_relative_to_it(
 # --------------------------------------------------------------------------
 
 
-def test_sibling_pair_round_trip_and_lock_files(tmp_path: Path) -> None:
-    dest = tmp_path / "x"
-    io.write_atomic(dest, _pair_enc(b"npz1", b"json1"), SIB)
-    io.write_atomic(dest, _pair_enc(b"npz2", b"json2"), SIB)
-    assert _read_pair(dest) == {"npz": b"npz2", "json": b"json2"}
-    assert sorted(os.listdir(tmp_path)) == [
-        ".x.json.pytreeio-lock",
-        ".x.npz.pytreeio-lock",
-        "x.json",
-        "x.npz",
-    ]
+def test_saves_and_loads_leave_only_the_checkpoints_files(tmp_path: Path) -> None:
+    """The lock is the directory's own flock: no lock file stays beside any layout."""
+    for _ in range(2):
+        io.write_atomic(tmp_path / "f", _enc(b"1"), FILE)
+        io.write_atomic(tmp_path / "x", _pair_enc(b"npz1", b"json1"), SIB)
+        io.write_atomic(tmp_path / "d", Encoded(files={"a/b": _enc(b"1")}), DIRECTORY)
+    assert _read_pair(tmp_path / "x") == {"npz": b"npz1", "json": b"json1"}
+    io.open_source(tmp_path / "d", DIRECTORY).close()
+    assert sorted(os.listdir(tmp_path)) == ["d", "f", "x.json", "x.npz"]
+    assert [p.name for p in (tmp_path / "d").rglob("*")] == ["a", "b"]
 
 
 def _dead_save(dest: Path, npz: bytes, js: bytes, renamed: int) -> None:
@@ -354,10 +354,10 @@ def _dead_save(dest: Path, npz: bytes, js: bytes, renamed: int) -> None:
     files = _pair(dest)
     temps = []
     for (_role, final), data in zip(files.items(), (npz, js)):
-        tmp = io._tmp_name(io._resolve(final))
+        tmp = atomic._tmp_name(atomic.resolve(final))
         tmp.write_bytes(data)
-        temps.append((tmp, io._resolve(final), None))
-    io._write_journal(io._resolve(files["npz"]), temps, [], durable=False)
+        temps.append((tmp, atomic.resolve(final), None))
+    atomic._write_journal(atomic.resolve(files["npz"]), temps, durable=False)
     for tmp, final, _ in temps[:renamed]:
         os.replace(tmp, final)
 
@@ -388,7 +388,7 @@ def test_when_it_cannot_roll_forward_a_load_reads_the_journaled_temporaries(
     dest = tmp_path / "x"
     io.write_atomic(dest, _pair_enc(b"old-npz", b"old-json"), SIB)
     _dead_save(dest, b"new-npz", b"new-json", 1)
-    monkeypatch.setattr(io, "_roll_forward", lambda journal: False)
+    monkeypatch.setattr(atomic, "_roll_forward", lambda journal: False)
     fs = io.open_source(dest, SIB)
     assert {k: bytes(v) for k, v in fs.items()} == {"npz": b"new-npz", "json": b"new-json"}
     assert fs.path_of("json") == str(dest) + ".json"  # errors still name the real file
@@ -431,7 +431,7 @@ def test_failure_after_the_commit_point_finishes_the_new_set(
     dest = tmp_path / "x"
     io.write_atomic(dest, _pair_enc(b"old", b"old"), SIB)
     calls = {"n": 0}
-    real = io._rename
+    real = atomic._rename
 
     def rename(src: Path, dst: Path) -> None:
         calls["n"] += 1
@@ -439,7 +439,7 @@ def test_failure_after_the_commit_point_finishes_the_new_set(
             raise KeyboardInterrupt
         real(src, dst)
 
-    monkeypatch.setattr(io, "_rename", rename)
+    monkeypatch.setattr(atomic, "_rename", rename)
     with pytest.raises(KeyboardInterrupt):
         io.write_atomic(dest, _pair_enc(b"new", b"new"), SIB)
     monkeypatch.undo()
@@ -449,7 +449,7 @@ def test_failure_after_the_commit_point_finishes_the_new_set(
 def test_a_saver_waits_for_the_lock_and_a_reader_for_the_saver(tmp_path: Path) -> None:
     dest = tmp_path / "x"
     io.write_atomic(dest, _pair_enc(b"1", b"1"), SIB)
-    held, _ = io._lock_all([io._resolve(tmp_path / "x.json")], exclusive=True)
+    held = atomic._lock_dirs([tmp_path], exclusive=True)
     done = threading.Event()
 
     def save() -> None:
@@ -465,7 +465,7 @@ def test_a_saver_waits_for_the_lock_and_a_reader_for_the_saver(tmp_path: Path) -
     r.start()
     time.sleep(0.2)
     assert got == []  # the reader waits too
-    io._release(held)
+    reads.release(held)
     t.join(5)
     r.join(5)
     assert done.is_set() and got and got[0]["npz"] == got[0]["json"]
@@ -529,7 +529,7 @@ def _values(tree: Any) -> set[float]:
 @pytest.fixture
 def lazy_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A cl-waffe2 directory of which a FileSet opens one file up front, the rest on access."""
-    monkeypatch.setattr(io, "_EAGER_OPEN", 1)
+    monkeypatch.setattr(reads, "_EAGER_OPEN", 1)
     path = tmp_path / "m.wf2model"
     ptio.save(path, _waffe2_tree(1.0, 4), format="waffe2")
     return path
@@ -695,14 +695,14 @@ def test_temporary_names_stay_within_name_max(tmp_path: Path, name: str) -> None
     io.write_atomic(tmp_path / name, Encoded(files={"a": _enc(b"6")}), DIRECTORY)
     assert _read_pair(tmp_path / name) == {"npz": b"4", "json": b"4"}
     assert all(len(os.fsencode(n)) <= 255 for n in os.listdir(tmp_path))
-    long = io._resolve(tmp_path / name)
-    for p in (io._tmp_name(long), io._lock_path(long), io._journal_path(long)):
+    long = atomic.resolve(tmp_path / name)
+    for p in (atomic._tmp_name(long), atomic._journal_path(long)):
         assert len(os.fsencode(p.name)) <= 255
-    assert io._tmp_pattern(long.name).match(io._tmp_name(long).name)
+    assert atomic._tmp_pattern(long.name).match(atomic._tmp_name(long).name)
     # two long names that share their first 200 bytes still get different temporaries
     other = long.with_name(name[:-1] + "z")
-    assert not io._tmp_pattern(other.name).match(io._tmp_name(long).name)
-    stale = io._tmp_name(long)
+    assert not atomic._tmp_pattern(other.name).match(atomic._tmp_name(long).name)
+    stale = atomic._tmp_name(long)
     stale.write_bytes(b"x")
     io.write_atomic(tmp_path / name, Encoded(files={"a": _enc(b"7")}), DIRECTORY)
     assert not stale.exists() and _leftovers(tmp_path) == []
@@ -729,21 +729,21 @@ def test_a_file_that_shrinks_while_read_is_a_format_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parallel: bool
 ) -> None:
     if parallel:
-        monkeypatch.setattr(io, "_PARALLEL_MIN", 0)
-        monkeypatch.setattr(io, "_PARALLEL_BLOCK", 1000)
+        monkeypatch.setattr(reads, "_PARALLEL_MIN", 0)
+        monkeypatch.setattr(reads, "_PARALLEL_BLOCK", 1000)
     path = tmp_path / "f"
     path.write_bytes(bytes(range(256)) * 40)
     with io.FileSource(path) as src:
         os.truncate(path, 3000)  # another program, after the open
         assert bytes(src.read(10, 20, "head")) == bytes(range(10, 30))
-        reads = [
+        attempts = [
             lambda: src.read(0, 5000, "data"),
             lambda: src.read_into(2000, memoryview(bytearray(4000)), "w"),
             lambda: src.read_scattered(
                 2500, [memoryview(bytearray(n)) for n in (100, 1000, 50)], "w"
             ),
         ]
-        for read in reads:
+        for read in attempts:
             with pytest.raises(FormatError) as info:
                 read()
             err = info.value
@@ -753,10 +753,10 @@ def test_a_file_that_shrinks_while_read_is_a_format_error(
     fd = os.open(path, os.O_RDONLY)
     try:  # a whole-file read sized before the file shrank
         monkeypatch.setattr(
-            io.os, "fstat", lambda fd: os.stat_result((0o100644, 0, 0, 1, 0, 0, 9000, 0, 0, 0))
+            os, "fstat", lambda fd: os.stat_result((0o100644, 0, 0, 1, 0, 0, 9000, 0, 0, 0))
         )
         with pytest.raises(FormatError, match="truncated") as info:
-            io._read_fd(fd, str(path), mmap=False)
+            reads._read_fd(fd, str(path), mmap=False)
         assert info.value.path == str(path)
         assert info.value.offset == 3000 or (
             parallel and info.value.offset in range(4000, 9000, 1000)
@@ -768,8 +768,8 @@ def test_a_file_that_shrinks_while_read_is_a_format_error(
 def test_parallel_read_of_large_files_is_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(io, "_PARALLEL_MIN", 0)
-    monkeypatch.setattr(io, "_PARALLEL_BLOCK", 4096 + 17)  # blocks that do not divide the size
+    monkeypatch.setattr(reads, "_PARALLEL_MIN", 0)
+    monkeypatch.setattr(reads, "_PARALLEL_BLOCK", 4096 + 17)  # blocks that do not divide the size
     data = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8).tobytes()
     (tmp_path / "f").write_bytes(data)
     assert bytes(io.read_file(tmp_path / "f")) == data
@@ -780,10 +780,10 @@ def test_parallel_read_of_large_files_is_exact(
 def test_parallel_read_waits_for_every_job_before_closing_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(io, "_PARALLEL_MIN", 0)
-    monkeypatch.setattr(io, "_PARALLEL_BLOCK", 1000)
+    monkeypatch.setattr(reads, "_PARALLEL_MIN", 0)
+    monkeypatch.setattr(reads, "_PARALLEL_BLOCK", 1000)
     (tmp_path / "f").write_bytes(b"x" * 8000)
-    real = io._read_range
+    real = reads._read_range
     finished: list[int] = []
     failed: list[BaseException] = []
     closed: list[int] = []
@@ -804,8 +804,8 @@ def test_parallel_read_waits_for_every_job_before_closing_the_file(
         closed.append(len(finished))
         real_close(fd)
 
-    monkeypatch.setattr(io, "_read_range", read_range)
-    monkeypatch.setattr(io.os, "close", close)
+    monkeypatch.setattr(reads, "_read_range", read_range)
+    monkeypatch.setattr(os, "close", close)
     with pytest.raises(OSError, match="Input/output"):
         io.read_file(tmp_path / "f")
     monkeypatch.undo()
@@ -888,7 +888,7 @@ def test_zip_member_names_are_bounded(tmp_path: Path, monkeypatch: pytest.Monkey
     with zipfile.ZipFile(tmp_path / "many.zip", "w") as z:
         for i in range(20):
             z.writestr(f"m{i}.npy", b"")
-    monkeypatch.setattr(io, "_MAX_MEMBERS", 5)
+    monkeypatch.setattr(probes, "_MAX_MEMBERS", 5)
     assert io.probe(tmp_path / "many.zip", FILE).members == tuple(f"m{i}.npy" for i in range(5))
 
 
@@ -911,15 +911,15 @@ def test_directory_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     (d / "alias.bin").symlink_to("raw.bin")
     (d / "loop").symlink_to(tmp_path)  # a symlinked directory is not descended into
     (d / ".raw.bin.pytreeio-tmp-1-abcdef01").write_bytes(b"")
-    (d / ".raw.bin.pytreeio-lock").write_bytes(b"")
+    (d / ".raw.bin.pytreeio-lock").write_bytes(b"")  # an older pytreeio's lock file
     pr = io.probe(d, DIRECTORY)
     assert pr.kind == "dir"
     assert pr.names == {"config.json", "notes.TXT", "raw.bin", "sub/deep.json", "alias.bin"}
     assert dict(pr.heads) == {"config.json": b'{"a": 1}', "notes.TXT": b"hi"}
     with io.open_source(d, DIRECTORY) as fs:
         assert set(fs) == pr.names and bytes(fs["alias.bin"]) == b"\0" * 5000
-    monkeypatch.setattr(io, "_MAX_NAMES", 2)
-    monkeypatch.setattr(io, "_MAX_HEADS", 1)
+    monkeypatch.setattr(probes, "_MAX_NAMES", 2)
+    monkeypatch.setattr(probes, "_MAX_HEADS", 1)
     pr = io.probe(d, DIRECTORY)
     assert pr.names is not None and len(pr.names) == 2 and len(pr.heads) <= 1
     assert io.probe(tmp_path / "nope", DIRECTORY).kind == "missing"
@@ -941,7 +941,7 @@ def test_walk_order_special_files_descriptors_and_depth(tmp_path: Path) -> None:
     (d / "dangling").symlink_to(tmp_path / "missing")
     before = _open_fds()
     # each directory's files sorted, then its subdirectories' in order, depth first
-    assert list(io._walk(d)) == [
+    assert list(reads._walk(d)) == [
         "a.bin",
         "b.bin",
         "y/top.bin",
@@ -949,20 +949,20 @@ def test_walk_order_special_files_descriptors_and_depth(tmp_path: Path) -> None:
         "z/1.bin",
         "z/2.bin",
     ]
-    assert list(io._walk(d, limit=3)) == ["a.bin", "b.bin", "y/top.bin"]
-    stopped = io._walk(d)
+    assert list(reads._walk(d, limit=3)) == ["a.bin", "b.bin", "y/top.bin"]
+    stopped = reads._walk(d)
     assert [next(stopped), next(stopped), next(stopped)] == ["a.bin", "b.bin", "y/top.bin"]
     stopped.close()  # a walk left halfway closes the directories it holds
     assert io.walk(d) == sorted(io.walk(d))
     assert _open_fds() == before
     deep = d / "n"
     deep.mkdir()
-    for _ in range(io.MAX_DEPTH):
+    for _ in range(reads.MAX_DEPTH):
         deep = deep / "n"
         deep.mkdir()
     (deep / "leaf.bin").write_bytes(b"x")
     with pytest.raises(ptio.FormatError, match="nested deeper than"):
-        list(io._walk(d))
+        list(reads._walk(d))
     assert _open_fds() == before
     # sniffing never raises: it goes by the names listed; opening says what is wrong
     assert io.probe(d, DIRECTORY).names == {"a.bin", "b.bin"}  # those before "n/"

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytreeio import jsonsafe
+from pytreeio.core import jsonsafe
 from pytreeio.core.errors import FormatError
 
 

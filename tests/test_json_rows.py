@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import pytreeio as ptio
-from pytreeio import jsonsafe
+from pytreeio.core import jsonsafe
 from pytreeio.core.errors import FormatError
 
 

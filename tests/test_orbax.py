@@ -149,7 +149,7 @@ def _assert_only_checkpoint_files(item: Path) -> None:
     names = sorted(p.name for p in item.iterdir() if p.name != "commit_success.txt")
     assert METADATA_NAME in names
     assert all(n == METADATA_NAME or n.startswith("checkpoint") for n in names), names
-    stray = [p for p in item.rglob("*") if io._OWN_FILE.search(p.name)]  # locks, temporaries
+    stray = [p for p in item.rglob("*") if io.reads._OWN_FILE.search(p.name)]  # locks, temporaries
     assert not stray, stray
 
 

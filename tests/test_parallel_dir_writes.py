@@ -1,6 +1,6 @@
 """Directories of several large files are written on one thread per core: same bytes, same atomicity.
 
-:func:`pytreeio.io._populate_dir` hands the files of a large directory
+:func:`pytreeio.io.atomic._populate_dir` hands the files of a large directory
 encoding to :func:`pytreeio.core.threads.share` (largest first).  Thresholds are
 lowered so that small trees take the parallel path.
 """
@@ -18,18 +18,19 @@ from pytreeio import io
 from pytreeio.core.binary import Deferred
 from pytreeio.core.records import Encoded
 from pytreeio.formats.waffe2 import state_dict as waffe2
+from pytreeio.io import atomic
 
 
 @pytest.fixture
 def parallel_dirs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every directory of two files or more written by three threads, however small."""
-    monkeypatch.setattr(io, "_PARALLEL_DIR_MIN", 0)
-    monkeypatch.setattr(io, "_PARALLEL_FILE_MIN", 0)
-    monkeypatch.setattr(io, "cores", lambda: 3)
+    monkeypatch.setattr(atomic, "_PARALLEL_DIR_MIN", 0)
+    monkeypatch.setattr(atomic, "_PARALLEL_FILE_MIN", 0)
+    monkeypatch.setattr(atomic, "cores", lambda: 3)
 
 
 def _leftovers(root: Path) -> list[str]:
-    """pytreeio temporaries and journals (lock files are meant to stay)."""
+    """pytreeio temporaries and journals."""
     return sorted(
         p.name
         for p in root.iterdir()
@@ -51,14 +52,14 @@ def _leftovers(root: Path) -> list[str]:
 def test_writers_are_one_per_core_for_several_large_files(
     monkeypatch: pytest.MonkeyPatch, sizes: list[int], cores: int, writers: int
 ) -> None:
-    monkeypatch.setattr(io, "cores", lambda: cores)
-    assert io._file_writers(sizes) == writers
+    monkeypatch.setattr(atomic, "cores", lambda: cores)
+    assert atomic._file_writers(sizes) == writers
 
 
 def test_files_are_written_by_several_threads_largest_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parallel_dirs: None
 ) -> None:
-    monkeypatch.setattr(io, "cores", lambda: 2)  # two writers: the third file waits for one
+    monkeypatch.setattr(atomic, "cores", lambda: 2)  # two writers: the third file waits for one
     threads: dict[str, str] = {}
     started: list[str] = []
     gate = threading.Barrier(2, timeout=10)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import pytreeio as ptio
-from pytreeio import jsonsafe
+from pytreeio.core import jsonsafe
 from pytreeio.core.binary import BufferSource
 from pytreeio.formats import safetensors as fmt_st
 

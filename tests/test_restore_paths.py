@@ -64,12 +64,12 @@ def test_sniffing_probes_the_file_once(tmp_path: Path, monkeypatch: pytest.Monke
     path = tmp_path / "t.safetensors"
     ptio.save(path, {"w": np.zeros(2, np.float32)})
     calls: list[Path] = []
-    real = io._probe_file
+    real = io.probes._probe_file
 
     def counted(p: Path) -> records.Probe:
         calls.append(p)
         return real(p)
 
-    monkeypatch.setattr(io, "_probe_file", counted)
+    monkeypatch.setattr(io.probes, "_probe_file", counted)
     assert dispatch.format_for_load(path, None).name == "safetensors"
     assert calls.count(Path(path)) == 1

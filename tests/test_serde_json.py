@@ -157,4 +157,3 @@ def test_conformance_documents_are_rewritten_exactly(conformance: Path) -> None:
         (length,) = struct.unpack_from("<I", data, 12)
         raw = data[16 : 16 + length]
         assert dump_bytes(json.loads(raw)) == raw, path.name
-

@@ -82,7 +82,7 @@ def test_bullet_text_files_and_json_documents_report_the_offset(tmp_path: Path) 
     with pytest.raises(ptio.FormatError) as info:
         ptio.load(dest, format="bullet")
     assert info.value.offset == len(good) and "step.txt" in str(info.value)
-    from pytreeio import jsonsafe
+    from pytreeio.core import jsonsafe
 
     with pytest.raises(ptio.FormatError) as info:
         jsonsafe.loads(b'{"a": "\xc3("}', path="x.json", field="doc", offset=100)

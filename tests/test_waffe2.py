@@ -498,6 +498,34 @@ def test_native_like_takes_shapes_from_like(conformance: Path) -> None:
     assert got["param"]["linearlayer"]["0"]["weights"].shape == (3, 4)
 
 
+@pytest.mark.parametrize("sidecar", [False, True])
+def test_partial_loads(conformance: Path, tmp_path: Path, sidecar: bool) -> None:
+    """partial=True restores the entries `like` names (1-D files into 2-D likes, read lazily)."""
+    d = conformance / "waffe2" / "tiny_adam3_opt.wf2model"
+    native, _ = w.decode(source_of(d))
+    if sidecar:  # pytreeio's own directory: the files carry their shapes
+        d = tmp_path / "m.wf2model"
+        ptio.save(d, tiny_params(), format="waffe2", layers=TINY)
+        native, _ = w.decode(source_of(d))
+    layer0 = native["param"]["linearlayer"]["0"]
+    like = {"param": {"linearlayer": {"0": {"weights": np.zeros((3, 4), np.float32)}}}}
+    with pytest.raises(MismatchError, match="in the file but not in"):
+        ptio.load(d, like=like, format="waffe2")
+    got = ptio.load(d, like=like, format="waffe2", partial=True)
+    assert same_bits(got["param"]["linearlayer"]["0"]["weights"], layer0["weights"].reshape(3, 4))
+    full = ptio.load(d, like=native, format="waffe2", partial=True)
+    assert all(same_bits(full["param"]["linearlayer"]["0"][k], a) for k, a in layer0.items())
+    if not sidecar:
+        lr = {"optimizer": {"linearlayer": {"1": {"bias": {"adam": {"lr": 0.0, "n": 0}}}}}}
+        opt = ptio.load(d, like=lr, format="waffe2", partial=True)
+        assert opt["optimizer"]["linearlayer"]["1"]["bias"]["adam"] == {"lr": 0.01, "n": 3}
+    with pytest.raises(MismatchError, match="element count"):
+        ptio.load(d, like={"param": {"linearlayer": {"0": {"bias": np.zeros(4, np.float32)}}}},
+                  format="waffe2", partial=True)  # fmt: skip
+    model = ptio.load(d, like={"params": {"Dense_0": tiny_params()["Dense_0"]}}, partial=True)
+    assert same_bits(model["params"]["Dense_0"]["bias"], layer0["bias"])
+
+
 def test_element_count_dtype_and_fortran_mismatches(conformance: Path, tmp_path: Path) -> None:
     d = conformance / "waffe2" / "tiny_untrained.wf2model"
     native, meta = w.decode(source_of(d))
@@ -1194,10 +1222,10 @@ def test_registered() -> None:
         assert w.FORMAT is fmt
 
 
-def test_read_ahead_in_runs_reports_a_bad_file_at_its_own_entry(tmp_path: Path) -> None:
-    """Tensor files are read ahead a run of several per job; a damaged one in the middle of a
-    run is still reported by name, and every file before it loads as written."""
-    params = dense_params([(3, 3, True)] * 60)  # 120 tensor files: several per job
+def test_files_read_side_by_side_report_a_bad_file_at_its_own_entry(tmp_path: Path) -> None:
+    """Tensor files are read side by side; a damaged one among them is reported by name, and
+    every file before it loads as written."""
+    params = dense_params([(3, 3, True)] * 60)  # 120 tensor files
     d = tmp_path / "m.wf2model"
     ptio.save(d, params, format="waffe2")
     back = ptio.load(d, like=params)

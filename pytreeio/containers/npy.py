@@ -19,20 +19,12 @@ dtypes are refused outright).
     ...     n     data, C order (or Fortran order when ``fortran_order``)
 
 numpy pads the header with 21 minus ``len(repr(shape[0]))`` spare spaces before
-the alignment padding (so headers can grow in place); :func:`npy_header`
-reproduces that, so its output is byte-identical to ``np.save``.
+the alignment padding; :func:`npy_header` does too (byte-identical to ``np.save``).
 
-``.npz`` is a ZIP archive of ``<name>.npy`` members as ``np.savez`` writes it:
-stored members, ``force_zip64=True``, timestamps fixed at 1980-01-01 00:00:00,
-so the bytes are deterministic.  The container is :mod:`pytreeio.containers.zip` (its
-byte layout and bounds are described there); this module only adds the
-``.npy`` members.
-
-Readers accept stored and deflated members (inflation bounded as
-:mod:`pytreeio.containers.zip` describes) and verify each member's CRC-32 unless asked
-not to.  Headers are bounded too: at most :data:`MAX_HEADER_LEN` bytes, plain
-dtypes with a non-zero item size only, and shapes checked with
-:func:`pytreeio.core.binary.check_shape` before numpy sees them.
+``.npz`` is a ZIP archive (:mod:`pytreeio.containers.zip`) of ``<name>.npy``
+members as ``np.savez`` writes it.  Member CRC-32s are verified unless asked
+not to; headers are at most :data:`MAX_HEADER_LEN` bytes, plain dtypes only,
+shapes checked before numpy sees them.
 """
 
 from __future__ import annotations
@@ -138,14 +130,8 @@ def _plain_dtype(descr: Any, r: Reader, field: str, offset: int) -> np.dtype[Any
 
 
 def _canonical_header(text: str) -> dict[str, Any] | None:
-    """The header dict of a header written the way numpy writes it, else None.
-
-    ``ast.literal_eval`` costs tens of microseconds per array; numpy's own
-    layout (these keys in this order, a plain descr, decimal dimensions
-    without leading zeros) is read here with one regular expression and
-    gives exactly what ``literal_eval`` would.  Anything else takes the
-    general path.
-    """
+    """The dict of a header in numpy's own layout (what ``literal_eval`` gives, in one regular
+    expression instead of tens of microseconds), else None."""
     m = _CANONICAL_HEADER.fullmatch(text)
     if m is None:
         return None
@@ -289,7 +275,7 @@ def _make_npy_header(descr: str, shape: tuple[int, ...], fortran_order: bool) ->
 
 
 def _array_layout(arr: Any) -> tuple[np.ndarray, bool]:
-    """``(array whose C-order bytes are the .npy data, fortran_order)`` without copying if possible."""
+    """``(array whose C-order bytes are the .npy data, fortran_order)``, no copy if possible."""
     a = np.asarray(arr)
     if a.flags.c_contiguous:
         return a, False
@@ -299,12 +285,8 @@ def _array_layout(arr: Any) -> tuple[np.ndarray, bool]:
 
 
 def _streamed_layout(arr: Streamed) -> tuple[Streamed, bool]:
-    """:func:`_array_layout` for a streamed array: a transposed view is stored as numpy stores one.
-
-    numpy writes a view in C order if it is C-contiguous, in Fortran order if
-    it is Fortran-contiguous (both judged on the axes longer than 1), else a
-    C-order copy; the first two store the base's bytes as they are.
-    """
+    """:func:`_array_layout` for a streamed array: C order if C-contiguous, Fortran order if
+    Fortran-contiguous (judged on axes longer than 1; the base's bytes), else a C-order copy."""
     base, axes = arr.transposition()
     moved = [a for a in axes if base.shape[a] != 1]
     if arr.size == 0 or moved == sorted(moved):
@@ -315,11 +297,8 @@ def _streamed_layout(arr: Streamed) -> tuple[Streamed, bool]:
 
 
 def encode_npy(arr: Any) -> list[Any]:
-    """The ``.npy`` bytes numpy would write for ``arr``, as chunks (data not copied).
-
-    A :class:`~pytreeio.core.binary.Streamed` array's data is a
-    :class:`~pytreeio.core.binary.Deferred` chunk, read when it is written.
-    """
+    """The ``.npy`` bytes numpy would write for ``arr``, as chunks (data not copied; a
+    streamed array's as deferred chunks)."""
     if isinstance(arr, Streamed):
         stored, fortran = _streamed_layout(arr)
         dtype = arr.dtype.newbyteorder("<") if arr.dtype.itemsize > 1 else arr.dtype
@@ -373,12 +352,10 @@ def read_npz(
 ) -> dict[str, np.ndarray]:
     """Every array of an ``.npz`` archive, by name without ``.npy``, in archive order.
 
-    Stored members come back as read-only views of ``source`` (no copy), or,
-    for a file-backed source (:class:`pytreeio.containers.zip.RangeSource`, e.g.
-    ``io.FileSource``), of one buffer the file is read into, with the CRC-32s
-    taken as it is read (:func:`pytreeio.containers.zip.read_archive`).  Deflated
-    members together may inflate to at most ``max_inflated`` bytes (default:
-    the archive's size plus :data:`pytreeio.containers.zip.INFLATE_ALLOWANCE`).
+    Stored members are views of ``source``, or of the buffers a large file is
+    read into (:func:`pytreeio.containers.zip.read_archive`).  Deflated members
+    together inflate to at most ``max_inflated`` bytes (default: the archive's
+    size plus :data:`pytreeio.containers.zip.INFLATE_ALLOWANCE`).
     """
     src = source if isinstance(source, ByteSource) else BufferSource(source)
     allowance = _zip.default_max_inflated(src) if max_inflated is None else max_inflated
@@ -410,16 +387,10 @@ def read_npz(
 _HEAD_PREFIX = 128
 
 
-def _header_reader(
-    src: ByteSource, m: _zip.ZipMember, key: str, first: memoryview | None = None
-) -> Reader:
-    """A reader over the start of a member: enough for its ``.npy`` header, little more.
-
-    ``first``: the member's first bytes when they were read already (with its local header).
-    """
-    # Most headers fit in 128 bytes; read more only when the length field asks for it.
-    if first is None or len(first) < min(_HEAD_PREFIX, m.size):
-        first = _zip.member_prefix(src, m, _HEAD_PREFIX)
+def _header_reader(src: ByteSource, m: _zip.ZipMember, key: str) -> Reader:
+    """A reader over enough of a member for its ``.npy`` header (most fit in 128 bytes; more is
+    read if the length field asks)."""
+    first = _zip.member_prefix(src, m, _HEAD_PREFIX)
     if len(first) >= 12 and bytes(first[:6]) == MAGIC:
         length = Reader(first[8:12], source=src.name, start=m.data_offset + 8)
         field = f"{key}.npy header length"
@@ -433,10 +404,9 @@ def inspect_npz(source: ByteSource | Buffer) -> list[tuple[str, NpyHeader, _zip.
     """``(name, header, member)`` of every array, reading only the headers."""
     src = source if isinstance(source, ByteSource) else BufferSource(source)
     out = []
-    members, prefixes = _zip.read_zip_directory_with_prefixes(src, _HEAD_PREFIX)
-    for m in members:
+    for m in _zip.read_zip_directory(src):
         key = _array_name(m, src)
-        h = parse_npy_header(_header_reader(src, m, key, prefixes.get(m.name)), f"{key}.npy")
+        h = parse_npy_header(_header_reader(src, m, key), f"{key}.npy")
         if h.data_offset + h.nbytes != m.size:
             raise FormatError(
                 f"{key}: shape {h.shape} of {h.dtype.str} needs {h.data_offset + h.nbytes} bytes, "
@@ -463,14 +433,9 @@ def _member_array(m: _zip.ZipMember, key: str) -> Any:
 def npz_slots(
     source: ByteSource, *, role: str | None = None, verify_crc: bool = True
 ) -> dict[str, Any]:
-    """Where each array of an ``.npz`` lies (:class:`pytreeio.core.binary.Slot` by name), headers only.
-
-    Reads the central directory, each member's local header and ``.npy``
-    header.  Stored members without ``verify_crc`` are plain ranges of the
-    archive; with it (as :func:`read_npz` by default) and for deflated
-    members, the slot reads its whole member and checks it.  ``role`` is the
-    key of the archive in a multi-file source.
-    """
+    """Where each array of an ``.npz`` lies (:class:`~pytreeio.core.binary.Slot` by name), headers
+    only.  With ``verify_crc``, and for deflated members, a slot reads and checks its whole
+    member; ``role`` is the archive's key in a multi-file source."""
     out: dict[str, Any] = {}
     for key, h, m in inspect_npz(source):
         reader = None
@@ -490,14 +455,8 @@ def npz_slots(
 
 
 def encode_npz(items: Iterable[tuple[str, Any]], *, overlap: bool = False) -> list[Any]:
-    """The bytes ``np.savez`` writes for these ``(name, array)`` pairs, as chunks.
-
-    Byte-identical to ``np.savez(file, **dict(items))`` on a seekable file
-    (Python's ``zipfile``, numpy's ``force_zip64=True``, fixed 1980 timestamp).
-    Array data is referenced, not copied.  Each member's CRC-32 is computed
-    here, or with ``overlap`` (for :mod:`pytreeio.io` writes) while large
-    members are written (:func:`pytreeio.containers.zip.encode_stored`).
-    """
+    """The bytes ``np.savez`` writes for these ``(name, array)`` pairs, as chunks (data referenced;
+    ``overlap``: large members hashed while written, :func:`~pytreeio.containers.zip.encode_stored`)."""
 
     members: list[tuple[str, list[Any]]] = []
     for key, value in items:

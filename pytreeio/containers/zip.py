@@ -22,26 +22,16 @@ encryption, one disk.  All integers little-endian (APPNOTE 6.3.x)::
     end record 22 B  b"PK\\x05\\x06", disk numbers, entry counts, directory size and
                      offset, comment length (then the comment, up to 65535 B)
 
-Reading is bounded: every offset and size is checked against the archive
-before anything is read or allocated; members may not overlap each other
-or the central directory (overlapping members are how "zip bombs" reach
-ratios of millions); a deflated member's declared size must be within
-deflate's maximum ratio (:data:`MAX_DEFLATE_RATIO`) of its compressed size
-and within the archive's inflation allowance (the archive's own size plus
-:data:`INFLATE_ALLOWANCE`, across all members), and it is inflated with a
-hard output limit, so a lying size costs nothing.  pytreeio never writes
-compressed members; the allowance only limits foreign ``np.savez_compressed``
-archives, and callers that trust a file may pass a larger ``max_inflated``.
+Reading is bounded: every offset and size is checked before anything is read
+or allocated; members may not overlap each other or the central directory
+(how zip bombs reach ratios of millions); a deflated member's size must be
+within :data:`MAX_DEFLATE_RATIO` of its compressed size and, across members,
+within the archive's size plus :data:`INFLATE_ALLOWANCE`, and it is inflated
+with a hard output limit.  Each stored member's CRC-32 is taken once
+(:mod:`pytreeio.containers.crc`), when read and when written.
 
-Writing (:func:`encode_stored`) produces what Python's ``zipfile`` writes with
-``force_zip64=True`` and a fixed 1980-01-01 timestamp, as ``np.savez`` does.
-
-Every stored member's CRC-32 is taken once over its bytes (:mod:`pytreeio.containers.crc`):
-when an archive is read (:func:`read_archive` reads a file straight into the
-members' own buffers, then hashes them, several members at a time) and when
-one is written (an encoding made with ``overlap=True`` hashes each large member
-on a pool thread while the writer writes it, its local header written in place
-afterwards).
+Writing (:func:`encode_stored`) produces what ``np.savez`` writes (Python's
+``zipfile``, ``force_zip64=True``, 1980-01-01 timestamps).
 """
 
 from __future__ import annotations
@@ -73,7 +63,6 @@ __all__ = [
     "ZipMember",
     "check_member_name",
     "read_zip_directory",
-    "read_zip_directory_with_prefixes",
     "member_names",
     "member_data",
     "check_crcs",
@@ -123,26 +112,18 @@ _DOSDATE_1980 = (0 << 9) | (1 << 5) | 1
 _MAX_COMMENT = 0xFFFF
 _INFLATE_STEP = 1 << 16  # compressed bytes fed to zlib at a time when only a prefix is wanted
 _DRIVE = re.compile(r"^[A-Za-z]:[\\/]")
+#: One name component of word characters, ``:``, ``-`` and ``.``: safe unless ``.`` or ``..``.
+_PLAIN_NAME = re.compile(r"[\w:.\-]+", re.ASCII)
 
 
 def _error(source: ByteSource, reason: str, field: str, offset: int | None) -> FormatError:
     return FormatError(reason, path=source.name, field=field, offset=offset)
 
 
-#: Names of word characters, ``:``, ``-`` and ``.`` without a ``/``: one component, never a
-#: drive or an absolute path, so only ``.`` and ``..`` among them are unsafe.
-_PLAIN_NAME = re.compile(r"[\w:.\-]+", re.ASCII)
-
-
-def _plain_member_name(name: str) -> bool:
-    """A safe name of the kind nearly every archive holds (``0:weight.npy``), in one match."""
-    return _PLAIN_NAME.fullmatch(name) is not None and name != "." and name != ".."
-
-
 def check_member_name(name: str, *, source: str | None = None, offset: int | None = None) -> None:
     """Refuse archive member names that could address anything outside the archive."""
-    if _plain_member_name(name):
-        return
+    if _PLAIN_NAME.fullmatch(name) is not None and name not in (".", ".."):
+        return  # the names nearly every archive holds (``0:weight.npy``), in one match
     bad = (
         not name
         or "\x00" in name
@@ -158,11 +139,7 @@ def check_member_name(name: str, *, source: str | None = None, offset: int | Non
 
 
 class ZipMember(NamedTuple):
-    """One member of a ZIP archive, from its central record and local header.
-
-    A named tuple: archives of thousands of small arrays make one per member,
-    and a tuple is built several times faster than a frozen dataclass.
-    """
+    """One member of a ZIP archive, from its central record and local header."""
 
     name: str
     method: int
@@ -179,20 +156,17 @@ class ZipMember(NamedTuple):
 
 
 # --------------------------------------------------------------------------
-# end records
+# end records and central directory
 # --------------------------------------------------------------------------
 
 
-class _Directory:
+class _Directory(NamedTuple):
     """Where the central directory is, from the end records."""
 
-    __slots__ = ("count", "end_at", "offset", "size")
-
-    def __init__(self, count: int, offset: int, size: int, end_at: int) -> None:
-        self.count = count
-        self.offset = offset
-        self.size = size
-        self.end_at = end_at  # the directory must end here (end record or zip64 record)
+    entries: int
+    offset: int
+    size: int
+    end_at: int  # the directory must end here (end record or zip64 record)
 
 
 def _find_end(source: ByteSource) -> tuple[int, tuple[Any, ...]]:
@@ -268,122 +242,37 @@ def _directory(source: ByteSource) -> _Directory:
             "zip.end.cd_offset",
             end_at,
         )
-    if found.count * _CENTRAL.size > found.size:
+    if found.entries * _CENTRAL.size > found.size:
         raise _error(
             source,
-            f"{found.count} entries cannot fit in a {found.size}-byte central directory",
+            f"{found.entries} entries cannot fit in a {found.size}-byte central directory",
             "zip.end.count",
             end_at,
         )
     return found
 
 
-# --------------------------------------------------------------------------
-# central directory
-# --------------------------------------------------------------------------
-
-
-class _Central:
+class _Central(NamedTuple):
     """One central-directory record, decoded (its zip64 fields filled in)."""
 
-    __slots__ = ("at", "flags", "index", "method", "name", "raw_name", "values")
-
-    def __init__(
-        self,
-        index: int,
-        at: int,
-        raw_name: bytes,
-        name: str,
-        flags: int,
-        method: int,
-        values: dict[str, int],
-    ) -> None:
-        self.index = index
-        self.at = at
-        self.raw_name = raw_name
-        self.name = name
-        self.flags = flags
-        self.method = method
-        self.values = values
+    number: int
+    at: int
+    raw_name: bytes
+    name: str
+    flags: int
+    method: int
+    values: dict[str, int]
 
     @property
     def field(self) -> str:
-        return f"zip.central[{self.index}]"
+        return f"zip.central[{self.number}]"
 
 
 def _central_records(source: ByteSource, d: _Directory) -> Iterator[_Central]:
-    """Each central record in order, with names decoded and zip64 fields filled in.
-
-    Well-formed directories are parsed in one tight pass; one with anything
-    wrong in it is walked again record by record (:func:`_checked_records`),
-    which reports the first fault at its field and offset as the caller
-    reaches it, in the order the caller's own checks interleave with it.
-    """
+    """Each central record in order, names decoded, zip64 fields filled in; the first fault
+    raises, located, when the caller reaches it."""
     r = source.reader(d.offset, d.size, "zip.central")
-    fast = _well_formed_records(r, d.count)
-    return iter(fast) if fast is not None else _checked_records(r, d)
-
-
-def _well_formed_records(r: Reader, count: int) -> list[_Central] | None:
-    """Every record of a directory with nothing wrong in it, or None (then the checked walk)."""
-    plain = _plain_records(r.view, count)
-    if plain is None:
-        return None
-    base = r.start
-    return [
-        _Central(
-            i,
-            base + at,
-            raw_name,
-            name,
-            flags,
-            method,
-            {"crc": crc, "size": usize, "compressed_size": csize, "header_offset": hoff},
-        )
-        for i, (at, raw_name, name, flags, method, crc, csize, usize, hoff) in enumerate(plain)
-    ]
-
-
-#: A central record read plainly: (offset in the directory, raw name, name, flags, method,
-#: crc, compressed size, size, header offset).
-_PlainRecord = tuple[int, bytes, str, int, int, int, int, int, int]
-
-
-def _plain_records(view: memoryview, count: int) -> list[_PlainRecord] | None:
-    """The records of a directory of ``count`` plain ones (no zip64 fields, names that decode,
-    filling it exactly), as tuples; None for any other (the checked walk reports it)."""
-    unpack, head, end = _CENTRAL.unpack_from, _CENTRAL.size, len(view)
-    out: list[_PlainRecord] = []
-    pos = 0
-    for _ in range(count):
-        if pos + head > end:
-            return None
-        (sig, _made, _system, _need, _res, flags, method, _time, _date, crc, csize, usize,
-         nlen, elen, clen, disk_start, _iattr, _eattr, hoff) = unpack(view, pos)  # fmt: skip
-        name_at = pos + head
-        if (
-            sig != _SIG_CENTRAL
-            or name_at + nlen + elen + clen > end
-            or 0xFFFFFFFF in (csize, usize, hoff)
-            or disk_start == 0xFFFF
-        ):
-            return None  # a zip64 record (rare, huge members) takes the checked walk too
-        raw_name = bytes(view[name_at : name_at + nlen])
-        if raw_name.isascii():  # cp437 and utf-8 agree on ascii, which decodes ~7x faster
-            name = raw_name.decode("ascii")
-        else:
-            try:
-                name = raw_name.decode("utf-8" if flags & _FLAG_UTF8 else "cp437")
-            except UnicodeDecodeError:
-                return None
-        out.append((pos, raw_name, name, flags, method, crc, csize, usize, hoff))
-        pos = name_at + nlen + elen + clen
-    return out if pos == end else None
-
-
-def _checked_records(r: Reader, d: _Directory) -> Iterator[_Central]:
-    """:func:`_central_records` one checked field at a time: the first fault raises, located."""
-    for i in range(d.count):
+    for i in range(d.entries):
         at, field = r.offset, f"zip.central[{i}]"
         (sig, _made, _system, _need, _res, flags, method, _time, _date, crc, csize, usize,
          nlen, elen, clen, disk_start, _iattr, _eattr, hoff) = r.struct(_CENTRAL, field)  # fmt: skip
@@ -402,7 +291,7 @@ def _checked_records(r: Reader, d: _Directory) -> Iterator[_Central]:
         yield _Central(i, at, raw_name, name, flags, method, values)
     if r.remaining:
         raise r.error(
-            f"{r.remaining} unexpected bytes after {d.count} central records", "zip.central"
+            f"{r.remaining} unexpected bytes after {d.entries} central records", "zip.central"
         )
 
 
@@ -433,13 +322,8 @@ def _decode_name(raw: bytes, flags: int, r: Reader, field: str, at: int) -> str:
 
 
 def member_names(source: ByteSource, *, max_bytes: int = MAX_NAMES_BYTES) -> tuple[str, ...]:
-    """The member names of the ZIP archive in ``source``, in central-directory order.
-
-    For sniffing: reads only the end records and the central directory (at
-    most ``max_bytes`` of it; a larger one is a :class:`FormatError`), never
-    a local header or any member data.  Names are returned as stored
-    (unsafe ones included); :func:`read_zip_directory` validates them.
-    """
+    """The member names as stored, in directory order, for sniffing: only the end records and
+    at most ``max_bytes`` of central directory are read (names are not validated here)."""
     d = _directory(source)
     if d.size > max_bytes:
         raise _error(
@@ -452,31 +336,9 @@ def member_names(source: ByteSource, *, max_bytes: int = MAX_NAMES_BYTES) -> tup
 
 
 def read_zip_directory(source: ByteSource) -> list[ZipMember]:
-    """The members of the ZIP archive in ``source``, validated, in central-directory order.
-
-    Reads only the end records, the central directory and each local header.
-    Names are checked with :func:`check_member_name` and for duplicates;
-    each member's local header and data must lie before the central
-    directory, and no two members may overlap.
-    """
-    return _read_directory(source, 0)[0]
-
-
-def read_zip_directory_with_prefixes(
-    source: ByteSource, n: int
-) -> tuple[list[ZipMember], dict[str, memoryview]]:
-    """:func:`read_zip_directory`, plus up to the first ``n`` bytes of each stored member's
-    data where they follow its local header closely: read with the header, in one read
-    (what :func:`member_prefix` would return; a member missing here has to be read)."""
-    return _read_directory(source, n)
-
-
-def _read_directory(
-    source: ByteSource, prefix: int
-) -> tuple[list[ZipMember], dict[str, memoryview]]:
+    """The members, validated (names, local headers, no overlaps), in directory order."""
     d = _directory(source)
     members: list[ZipMember] = []
-    prefixes: dict[str, memoryview] = {}
     seen: set[str] = set()
     for rec in _central_records(source, d):
         name_at = rec.at + _CENTRAL.size
@@ -495,12 +357,9 @@ def _read_directory(
                 f"{rec.field}.method",
                 rec.at + 10,
             )
-        member, head = _local(source, rec, d.offset, prefix)
-        members.append(member)
-        if head is not None:
-            prefixes[member.name] = head
+        members.append(_local(source, rec, d.offset))
     _check_no_overlap(source, members)
-    return members, prefixes
+    return members
 
 
 def _check_no_overlap(source: ByteSource, members: Sequence[ZipMember]) -> None:
@@ -520,11 +379,8 @@ def _check_no_overlap(source: ByteSource, members: Sequence[ZipMember]) -> None:
         previous = m.name
 
 
-def _local(
-    source: ByteSource, rec: _Central, cd_offset: int, prefix: int = 0
-) -> tuple[ZipMember, memoryview | None]:
-    """Check ``rec``'s local header: the member with its data offset, and with ``prefix``
-    the first bytes of a stored member's data when the same read reached them."""
+def _local(source: ByteSource, rec: _Central, cd_offset: int) -> ZipMember:
+    """The member ``rec``'s local header gives, checked."""
     name, values = rec.name, rec.values
     hoff = values["header_offset"]
     field = f"zip.local[{name}]"
@@ -535,13 +391,8 @@ def _local(
             f"{rec.field}.offset",
             hoff,
         )
-    # The header and the name it should hold in one read (a read costs more than its bytes),
-    # and with ``prefix`` numpy's zip64 extra field and the data's first bytes too.
-    n = _LOCAL.size + len(rec.raw_name)
-    ask = n + _ZIP64_LOCAL_EXTRA.size + prefix if prefix else n
-    head = source.read(
-        hoff, min(ask, cd_offset - hoff) if hoff + n <= cd_offset else _LOCAL.size, field
-    )
+    n = _LOCAL.size + len(rec.raw_name)  # the header and the name it should hold, in one read
+    head = source.read(hoff, n if hoff + n <= cd_offset else _LOCAL.size, field)
     if len(head) < _LOCAL.size:  # a source never returns less than asked; this keeps it checked
         raise _error(source, "truncated local header", field, hoff)
     sig, _need, _res, _flags, lmethod, _t, _d, _crc, _cs, _us, nlen, elen = _LOCAL.unpack_from(head)
@@ -594,11 +445,7 @@ def _local(
             f"{rec.field}.size",
             hoff,
         )
-    member = ZipMember(name, rec.method, values["crc"], csize, size, hoff, data_at)
-    start = data_at - hoff
-    if not prefix or rec.method != STORED or start >= len(head):
-        return member, None
-    return member, head[start : start + min(prefix, csize)]
+    return ZipMember(name, rec.method, values["crc"], csize, size, hoff, data_at)
 
 
 # --------------------------------------------------------------------------
@@ -614,13 +461,8 @@ def default_max_inflated(source: ByteSource) -> int:
 def member_data(
     source: ByteSource, m: ZipMember, *, verify_crc: bool = True, max_inflated: int | None = None
 ) -> memoryview:
-    """A member's uncompressed bytes: a view of the source for stored members.
-
-    A deflated member is inflated with a hard output limit of its declared
-    size, which may not exceed ``max_inflated`` (default: the archive's size
-    plus :data:`INFLATE_ALLOWANCE`); callers reading several members pass
-    what is left of that allowance.
-    """
+    """A member's uncompressed bytes (a view of the source if stored); a deflated one may not
+    exceed ``max_inflated`` (default: the archive's size plus :data:`INFLATE_ALLOWANCE`)."""
     raw = source.read(m.data_offset, m.compressed_size, f"zip.member[{m.name}]")
     if m.method == DEFLATED:
         limit = default_max_inflated(source) if max_inflated is None else max_inflated
@@ -642,8 +484,7 @@ def member_data(
 
 
 def check_crcs(source: ByteSource, members: Sequence[tuple[ZipMember, Buffer]]) -> None:
-    """Check each ``(member, uncompressed bytes)`` against its CRC-32 (one hash per member,
-    large inputs on several threads); the first mismatch in the order given raises."""
+    """Check each ``(member, uncompressed bytes)`` against its CRC-32; the first mismatch raises."""
     found = crc32_each([data for _, data in members])
     for (m, _), value in zip(members, found):
         if value != m.crc:
@@ -651,11 +492,8 @@ def check_crcs(source: ByteSource, members: Sequence[tuple[ZipMember, Buffer]]) 
 
 
 def crc32_each(items: Sequence[Buffer | Sequence[Buffer]]) -> list[int]:
-    """The CRC-32 of each item (a buffer, or chunks hashed as their concatenation).
-
-    Items are hashed whole, each on one thread, the largest first; the hash
-    releases the GIL, so several items run in parallel.
-    """
+    """The CRC-32 of each item (a buffer, or chunks hashed as one), several items on several
+    threads, the largest first."""
     chunked = [[as_memoryview(c) for c in ([i] if _is_buffer(i) else i)] for i in items]
     sizes = [sum(len(c) for c in chunks) for chunks in chunked]
 
@@ -714,19 +552,12 @@ class RangeSource(Protocol):
 def read_archive(
     source: RangeSource, *, verify_crc: bool = True, members: Sequence[ZipMember] | None = None
 ) -> tuple[Sequence[ZipMember], ByteSource, set[str]]:
-    """The archive in ``source`` read into fresh memory, stored members' CRC-32s checked.
+    """The archive read into fresh memory on a few threads, stored members' CRC-32s checked.
 
-    Reads the directory (unless given as ``members``), then the whole file in
-    pieces on a few threads: the data of each stored member of at least
-    :data:`OWN_MEMBER_MIN` bytes into a buffer of its own (its array then owns
-    its memory), the bytes between them into one buffer.  Then each stored
-    member's CRC-32 is taken over its bytes, once, members on several threads;
-    a mismatch is a :class:`FormatError` naming the member.
-
-    Returns ``(members, bytes, checked)``: the members in directory order, the
-    file's bytes as a :class:`~pytreeio.core.binary.ByteSource` (a member read from
-    it is a view of its buffer) and the names of the members checked here
-    (deflated ones are checked once inflated, by the caller).
+    Stored members of at least :data:`OWN_MEMBER_MIN` bytes get buffers of
+    their own, the bytes between them one buffer.  Returns ``(members, bytes,
+    checked)``: the file's bytes as a source whose member reads are views, and
+    the names checked here (deflated ones are the caller's to check, inflated).
     """
     if members is None:
         members = read_zip_directory(source)  # type: ignore[arg-type]
@@ -742,7 +573,11 @@ def read_archive(
         source.read_scattered(a, data.targets(a, min(size, a + _READ_PIECE)), "zip")
 
     pieces = range(0, size, _READ_PIECE)
-    share(pool(), cores(), read, pieces) if len(pieces) > 1 else [read(a) for a in pieces]
+    if len(pieces) > 1:
+        share(pool(), cores(), read, pieces)
+    else:
+        for a in pieces:
+            read(a)
     hashed = [m for m in members if verify_crc and m.method == STORED]
     check_crcs(
         data, [(m, data.read(m.data_offset, m.size, f"zip.member[{m.name}]")) for m in hashed]
@@ -772,9 +607,7 @@ def _covering(size: int, own: list[tuple[int, memoryview]]) -> list[tuple[int, m
 
 
 class _Segments(ByteSource):
-    """A file's bytes in several buffers: ``segments``, ``(file offset, buffer)`` pairs, sorted,
-    covering the file without overlap.  A read within one segment is a view of its buffer; one
-    across a segment's edge is assembled (a copy)."""
+    """A file's bytes in sorted ``(file offset, buffer)`` segments: a read within one is a view."""
 
     def __init__(self, segments: list[tuple[int, memoryview]], name: str | None) -> None:
         self._segments = segments
@@ -807,18 +640,18 @@ class _Segments(ByteSource):
         return self._read(0, self.size)
 
 
+def _corrupt(source: ByteSource, m: ZipMember, exc: zlib.error) -> FormatError:
+    field = f"zip.member[{m.name}]"
+    return _error(source, f"corrupt deflate stream in {m.name!r}: {exc}", field, m.data_offset)
+
+
 def _inflate(source: ByteSource, m: ZipMember, raw: memoryview) -> memoryview:
     """Inflate a whole member; exactly its declared size, never more."""
     d = zlib.decompressobj(-15)
     try:
         out = d.decompress(raw, m.size + 1)  # +1: a longer stream is detected, not allocated
     except zlib.error as exc:
-        raise _error(
-            source,
-            f"corrupt deflate stream in {m.name!r}: {exc}",
-            f"zip.member[{m.name}]",
-            m.data_offset,
-        ) from None
+        raise _corrupt(source, m, exc) from None
     if len(out) != m.size or not d.eof:
         what = "more" if len(out) > m.size else "fewer"
         raise _error(
@@ -831,12 +664,8 @@ def _inflate(source: ByteSource, m: ZipMember, raw: memoryview) -> memoryview:
 
 
 def member_prefix(source: ByteSource, m: ZipMember, n: int) -> memoryview:
-    """Up to the first ``n`` uncompressed bytes of a member (no CRC check).
-
-    Stored members are read directly; deflated ones are inflated from
-    64 KiB pieces of compressed data until ``n`` bytes come out, so a
-    header costs about its own size whatever the member's.
-    """
+    """Up to the first ``n`` uncompressed bytes of a member (no CRC check; a deflated one is
+    inflated 64 KiB at a time until they are out)."""
     want = min(n, m.size)
     if m.method == STORED:
         return source.read(m.data_offset, want, f"zip.member[{m.name}]")
@@ -855,12 +684,7 @@ def member_prefix(source: ByteSource, m: ZipMember, n: int) -> memoryview:
             out += d.decompress(tail, want - len(out))
             tail = d.unconsumed_tail
     except zlib.error as exc:
-        raise _error(
-            source,
-            f"corrupt deflate stream in {m.name!r}: {exc}",
-            f"zip.member[{m.name}]",
-            m.data_offset,
-        ) from None
+        raise _corrupt(source, m, exc) from None
     return memoryview(bytes(out))
 
 
@@ -881,25 +705,14 @@ def encode_stored(
 ) -> list[Any]:
     """A ZIP archive of stored members ``(name, chunks)``, as chunks (data referenced, not copied).
 
-    Byte-identical to Python's ``zipfile`` writing each member with
-    ``force_zip64=True`` and a 1980-01-01 timestamp on a seekable file (what
-    ``np.savez`` produces).  Names are checked with :func:`check_member_name`
-    and for duplicates (:class:`EncodeError` naming the member).
-
-    Every member's CRC-32 goes in its local header, ahead of its data.  By
-    default all of them are computed here, before returning (the chunks are
-    plain buffers).  A member with :class:`~pytreeio.core.binary.Deferred`
-    chunks (a streamed array's data) is hashed as they are produced, its
-    local header ``late``.  With ``overlap``, members of at least
-    :data:`OVERLAP_MIN` bytes are hashed while they are written instead: their
-    data chunks are :class:`~pytreeio.core.binary.Deferred` ones that start the
-    hash on the CRC pool when the writer takes them, their local headers are
-    ``late`` (written in place after the data), and the central directory,
-    produced after the last member, waits for every hash.  The bytes are the same.
+    Byte-identical to ``np.savez`` (Python's ``zipfile``, ``force_zip64=True``,
+    1980-01-01 timestamps).  Bad or duplicate names are an :class:`EncodeError`.
+    Each member's CRC-32 goes in its local header, ahead of its data: taken
+    here for plain buffers, or while the member is written (its header
+    ``late``) for one with :class:`~pytreeio.core.binary.Deferred` chunks and,
+    with ``overlap``, for one of at least :data:`OVERLAP_MIN` bytes.
     """
-    named: list[tuple[str, Sequence[Any]]] = []
-    sizes: list[int] = []
-    late: list[bool] = []
+    named: list[tuple[str, list[Any], int, bool]] = []
     seen: set[str] = set()
     for name, chunks in members:
         try:
@@ -909,52 +722,37 @@ def encode_stored(
         if name in seen:
             raise EncodeError(f"duplicate member name {name!r}", key_path=name)
         seen.add(name)
-        flat: list[Any] = []
-        size, deferred = 0, False
-        for c in chunks:  # one pass: archives of thousands of small arrays make this add up
-            if type(c) is bytes:  # kept: the writer packs small ones cheaply
-                flat.append(c)
-                size += len(c)
-            elif isinstance(c, Deferred):
-                flat.append(c)
-                size, deferred = size + c.nbytes, True
-            else:
-                view = as_memoryview(c)
-                flat.append(view)
-                size += len(view)  # a flat byte view's length is its size
-        named.append((name, flat))
-        sizes.append(size)
-        late.append(deferred or (overlap and size >= OVERLAP_MIN))
-    # The CRC-32 of every member not hashed while written, now, on all cores at once.
-    eager = iter(crc32_each([chunks for (_, chunks), d in zip(named, late) if not d]))
+        flat = [
+            c if type(c) is bytes or isinstance(c, Deferred) else as_memoryview(c) for c in chunks
+        ]
+        size = sum(map(chunk_nbytes, flat))
+        late = any(isinstance(c, Deferred) for c in flat) or (overlap and size >= OVERLAP_MIN)
+        named.append((name, flat, size, late))
+    eager = iter(crc32_each([chunks for _, chunks, _, late in named if not late]))
+    hashing = _Hashing()
     w = Writer()
     central: list[tuple[bytes, int, int | Callable[[], int], int, int]] = []
-    for (name, chunks), size, deferred in zip(named, sizes, late):
+    for name, chunks, size, late in named:
         raw_name, flags = _encode_name(name)
         offset = w.nbytes
-        crc_of: int | Callable[[], int]
-        if deferred:
-            overlapped = crc_of = _OverlappedCrc(chunks)
-            header = _local_header(raw_name, flags, 0, size)
-            w.deferred(
-                Deferred(
-                    len(header),
-                    functools.partial(_local_header, raw_name, flags, crc_of, size),
-                    late=True,
-                )
-            )
+        crc: int | Callable[[], int]
+        if late:
+            k = hashing.add(chunks)
+            crc = functools.partial(hashing.crc, k)
+            header = functools.partial(_local_header, raw_name, flags, crc, size)
+            w.deferred(Deferred(len(_local_header(raw_name, flags, 0, size)), header, late=True))
             for i, c in enumerate(chunks):
-                w.deferred(Deferred(chunk_nbytes(c), functools.partial(overlapped.start, i)))
+                w.deferred(Deferred(chunk_nbytes(c), functools.partial(hashing.take, k, i)))
         else:
-            crc = crc_of = next(eager)
+            crc = next(eager)
             if size < _SMALL_MEMBER:  # one small copy instead of a writer call per chunk
                 w.raw(b"".join((_local_header(raw_name, flags, crc, size), *chunks)))
             else:
                 w.raw(_local_header(raw_name, flags, crc, size))
                 for c in chunks:
                     w.raw(c)
-        central.append((raw_name, flags, crc_of, size, offset))
-    if any(late):
+        central.append((raw_name, flags, crc, size, offset))
+    if any(late for *_, late in named):
         cd_offset = w.nbytes
         cd_len = len(_central_bytes(central, cd_offset, resolve=False))
         w.deferred(Deferred(cd_len, functools.partial(_central_bytes, central, cd_offset)))
@@ -970,39 +768,54 @@ _SMALL_MEMBER = 4096
 OVERLAP_MIN = 8 << 20
 
 
-class _OverlappedCrc:
-    """The CRC-32 of one member's chunks, each hashed on the pool once the writer takes it.
+class _Hashing:
+    """The CRC-32s of an archive's members hashed while they are written.
 
-    Each chunk's hash continues the previous chunk's (a pool job waits for the one
-    before it), so the value is one pass over the member's bytes, whatever order the
-    chunks are taken in.  Calling the object waits for the last.
+    The chunk the writer takes is hashed on the pool while it is written, and
+    the next chunk is produced only once that hash is done: a streamed
+    member's tensors are held one at a time however far behind the pool runs.
     """
 
-    __slots__ = ("_chunks", "_taken", "_value")
+    def __init__(self) -> None:
+        self._chunks: list[Sequence[Any]] = []
+        self._taken: list[int] = []
+        self._values: list[int] = []
+        self._job: tuple[int, Callable[[], int]] | None = None  # (member, result) in flight
 
-    def __init__(self, chunks: Sequence[Any]) -> None:
-        self._chunks = chunks
-        self._taken = 0
-        self._value: Callable[[], int] = int  # int() == 0: the CRC of nothing
+    def add(self, chunks: Sequence[Any]) -> int:
+        self._chunks.append(chunks)
+        self._taken.append(0)
+        self._values.append(0)
+        return len(self._chunks) - 1
 
-    def start(self, i: int) -> memoryview:
-        while self._taken < i:  # chunks before it not taken yet: hashed first
-            self.start(self._taken)
-        view = _bytes_of(self._chunks[i])
-        if i == self._taken:  # (a chunk taken again, after a late header hashed it, is not)
-            before = self._value
-            self._value = pool().submit(lambda: crc32(view, before())).result
-            self._taken += 1
+    def _settle(self) -> None:
+        if self._job is not None:
+            k, result = self._job
+            self._job = None
+            self._values[k] = result()
+
+    def take(self, k: int, i: int) -> memoryview:
+        """Chunk ``i`` of member ``k``, its hash started (chunks before it are hashed first)."""
+        while self._taken[k] < i:
+            self.take(k, self._taken[k])
+        self._settle()
+        view = _bytes_of(self._chunks[k][i])
+        if i == self._taken[k]:  # (a chunk taken again, after a late header hashed it, is not)
+            self._taken[k] += 1
+            box, value = [view], self._values[k]  # box: no finished job keeps the tensor
+            self._job = (k, pool().submit(lambda: crc32(box.pop(), value)).result)
         return view
 
-    def __call__(self) -> int:
-        while self._taken < len(self._chunks):  # chunks no writer took (a failed save)
-            self.start(self._taken)
-        return self._value()
+    def crc(self, k: int) -> int:
+        """Member ``k``'s CRC-32 (its chunks no writer took hashed now: a failed save)."""
+        while self._taken[k] < len(self._chunks[k]):
+            self.take(k, self._taken[k])
+        self._settle()
+        return self._values[k]
 
 
 def _bytes_of(chunk: Any) -> memoryview:
-    """A chunk's bytes: a buffer as it is, a :class:`Deferred` one produced (and its length checked)."""
+    """A chunk's bytes (a :class:`Deferred` one produced, its length checked)."""
     if not isinstance(chunk, Deferred):
         return as_memoryview(chunk)
     view = as_memoryview(chunk.produce())

@@ -692,7 +692,7 @@ class Deferred:
     core, each producing its own file's chunks, in order).
     A consumer must be done with a result before the same thread produces the
     next chunk of the same encoding: an encoder may then reuse the buffer
-    (cl-waffe2's bands do; bullet's once any next band is taken).  A
+    (bullet's bands do once any next band is taken).  A
     ``late`` chunk (a header recording checksums of the data behind it) is
     produced after every other chunk of its file and written at its place.
     """

@@ -33,9 +33,7 @@ def array_checksum(arr: np.ndarray) -> str:
     # numpy's own dtypes export their buffer directly (one call per tensor: per-leaf
     # cost); others (bfloat16, float8) cannot, and are hashed through a byte view.
     data = arr if arr.dtype.isbuiltin == 1 else arr.reshape(-1).view(np.uint8)
-    import xxhash  # only checksums need it
-
-    return f"{xxhash.xxh3_64_intdigest(data):016x}"
+    return buffer_checksum(data)
 
 
 #: Threads that hash tensors while a writer writes them (xxhash releases the GIL).

@@ -5,11 +5,12 @@ Every failure that comes from the content of a file (or buffer) is a
 asked for (``like=``, ``meta=``) is a :class:`MismatchError`.  Both derive from
 ``ValueError`` so that generic callers that catch ``ValueError`` keep working.
 ``FileNotFoundError`` and other ``OSError``\\ s are left as the builtins.
+Every error pickles with its fields (``BaseException``'s pickling keeps the
+instance ``__dict__``), so errors cross process pools intact.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 __all__ = [
@@ -32,23 +33,6 @@ class PytreeioError(Exception):
 
 class PytreeioWarning(UserWarning):
     """Something was dropped or only partly saved (the message says what)."""
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        # ``warnings.warn`` makes the warning before its filters decide whether to show it
-        _MADE.count = getattr(_MADE, "count", 0) + 1
-
-
-_MADE = threading.local()
-
-
-def warnings_made() -> int:
-    """How many :class:`PytreeioWarning`\\ s this thread has made (shown or filtered).
-
-    Work kept for reuse (:mod:`pytreeio.model_plans`) is not kept from a call
-    that warned: a repeat of it must warn again.
-    """
-    return getattr(_MADE, "count", 0)
 
 
 class FormatError(PytreeioError, ValueError):
@@ -86,13 +70,6 @@ class FormatError(PytreeioError, ValueError):
         if self.offset is not None:
             where.append(f"offset {self.offset}")
         return f"{', '.join(where)}: {self.reason}" if where else self.reason
-
-    def __reduce__(self) -> Any:
-        return (_rebuild_format_error, (self.reason, self.path, self.offset, self.field))
-
-
-def _rebuild_format_error(reason: str, path: Any, offset: Any, field: Any) -> FormatError:
-    return FormatError(reason, path=path, offset=offset, field=field)
 
 
 class MismatchError(PytreeioError, ValueError):
@@ -133,18 +110,6 @@ class MismatchError(PytreeioError, ValueError):
             msg += f" (expected {self.expected}, found {self.found})"
         return msg
 
-    def __reduce__(self) -> Any:
-        return (
-            _rebuild_mismatch_error,
-            (self.reason, self.key_path, self.expected, self.found, self.path),
-        )
-
-
-def _rebuild_mismatch_error(
-    reason: str, key_path: Any, expected: Any, found: Any, path: Any
-) -> MismatchError:
-    return MismatchError(reason, key_path=key_path, expected=expected, found=found, path=path)
-
 
 class QuantisationError(PytreeioError, OverflowError):
     """A value does not fit the integer type it is quantised to (or is NaN/inf).
@@ -172,18 +137,6 @@ class QuantisationError(PytreeioError, OverflowError):
         self.value = value
         super().__init__(reason)
 
-    def __reduce__(self) -> Any:
-        return (
-            _rebuild_quantisation_error,
-            (self.reason, self.tensor, self.index, self.position, self.value),
-        )
-
-
-def _rebuild_quantisation_error(
-    reason: str, tensor: Any, index: Any, position: Any, value: Any
-) -> QuantisationError:
-    return QuantisationError(reason, tensor=tensor, index=index, position=position, value=value)
-
 
 class UnknownFormatError(PytreeioError, ValueError):
     """No registered format matches the name, suffix or content given.
@@ -200,13 +153,6 @@ class UnknownFormatError(PytreeioError, ValueError):
     def __str__(self) -> str:
         return f"{self.path}: {self.reason}" if self.path is not None else self.reason
 
-    def __reduce__(self) -> Any:
-        return (_rebuild_unknown_format_error, (self.reason, self.path))
-
-
-def _rebuild_unknown_format_error(reason: str, path: Any) -> UnknownFormatError:
-    return UnknownFormatError(reason, path=path)
-
 
 class ConversionError(PytreeioError, ValueError):
     """A conversion whose target cannot hold the source's information.
@@ -219,13 +165,6 @@ class ConversionError(PytreeioError, ValueError):
         self.reason = reason
         self.what = list(what or [])
         super().__init__(reason)
-
-    def __reduce__(self) -> Any:
-        return (_rebuild_conversion_error, (self.reason, self.what))
-
-
-def _rebuild_conversion_error(reason: str, what: Any) -> ConversionError:
-    return ConversionError(reason, what=what)
 
 
 class EncodeError(PytreeioError, TypeError):
@@ -242,13 +181,6 @@ class EncodeError(PytreeioError, TypeError):
 
     def __str__(self) -> str:
         return f"at {self.key_path!r}: {self.reason}" if self.key_path is not None else self.reason
-
-    def __reduce__(self) -> Any:
-        return (_rebuild_encode_error, (self.reason, self.key_path))
-
-
-def _rebuild_encode_error(reason: str, key_path: Any) -> EncodeError:
-    return EncodeError(reason, key_path=key_path)
 
 
 class NetclMissingParamError(MismatchError, KeyError):

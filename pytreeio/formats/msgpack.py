@@ -19,30 +19,18 @@ written as ``{'__msgpack_chunked_array__': True, 'shape': {'0': d0, ...},
 'chunks': {'0': flat_chunk_0, ...}}`` with ``chunk_bytes // itemsize``
 elements per chunk, as flax does.
 
-Typed PRNG keys (``jax.random.key``; flax has no convention for them) are
-written as ``{'__msgpack_prng_key__': True, 'impl': 'threefry2x32', 'data':
-<uint32 key data>}`` (marker first, like the chunked map) and read back as
-keys (``jax.random.wrap_key_data``); flax's ``msgpack_restore`` reads that map
-as it is.  Flax NNX Variables are written as their values (see
-:mod:`pytreeio.core.nnx`), so ``nnx.state(model)`` is stored as its pure dict.
-A file without keys is exactly what flax writes.
+Typed PRNG keys (``jax.random.key``) are written as ``{'__msgpack_prng_key__':
+True, 'impl': 'threefry2x32', 'data': <uint32 key data>}`` and read back as
+keys; flax reads that map as it is.  NNX Variables are written as their
+values (:mod:`pytreeio.core.nnx`).  A file without keys is what flax writes.
 
-Writing streams each array's own buffer to the file (the ext and bin
-headers are computed, never the payload); arrays whose bytes come later (a
-sharded jax array's shards, a streaming conversion's
-:class:`~pytreeio.core.binary.Streamed` source) are framed from their shape and
-dtype and written as deferred chunks.  ``decode`` parses the bytes in place
-and returns arrays that are views of them; ``inspect`` and ``slots`` read the
-framing alone, never the array payloads.
-
-Reading is bounded: nesting depth (:data:`_MAX_DEPTH`), the number of maps
-and arrays (:data:`CONTAINER_COST`), array shapes
-(:func:`pytreeio.core.binary.check_shape`), and every length against the bytes
-that remain.  ``inspect`` does not build a Python object per scalar of huge
-containers: beyond :data:`LIST_LIMIT` children per container or
-:data:`SCALAR_BUDGET` listed scalars per file, scalars (and containers left
-with nothing to list) are only counted, in ``Info.meta["unlisted_scalars"]``.
-The format has no magic number, so ``sniff`` only ever makes a weak guess.
+Arrays are written from their own buffers (sharded and streamed ones as
+deferred chunks); ``decode`` returns views of the bytes; ``inspect`` and
+``slots`` read the framing alone.  Reading is bounded: nesting depth, the
+number of containers (:data:`CONTAINER_COST`), shapes and every length.
+``inspect`` lists at most :data:`LIST_LIMIT` scalars per container and
+:data:`SCALAR_BUDGET` per file, counting the rest in
+``Info.meta["unlisted_scalars"]``.  With no magic number, ``sniff`` only guesses weakly.
 """
 
 from __future__ import annotations
@@ -330,11 +318,8 @@ def encode(
 
 
 class _ArrayHeader:
-    """An array's shape and dtype, where ``inspect`` (and ``slots``) skip the data.
-
-    ``offset`` is where the payload starts; ``parts`` the chunks of a flax
-    chunked array; ``npscalar`` marks a numpy scalar (ext type 3).
-    """
+    """An array whose data ``inspect`` and ``slots`` skip: payload ``offset``, the ``parts``
+    of a flax chunked array, ``npscalar`` for ext type 3."""
 
     __slots__ = ("dtype", "nbytes", "npscalar", "offset", "parts", "shape")
 
@@ -363,18 +348,13 @@ _NOTHING: Any = object()
 
 
 _CONSTANTS = {0xC0: None, 0xC2: False, 0xC3: True}
-_NUMBERS = {
-    0xCA: Reader.be_f32,
-    0xCB: Reader.be_f64,
-    0xCC: Reader.u8,
-    0xCD: Reader.be_u16,
-    0xCE: Reader.be_u32,
-    0xCF: Reader.be_u64,
-    0xD0: Reader.be_i8,
-    0xD1: Reader.be_i16,
-    0xD2: Reader.be_i32,
-    0xD3: Reader.be_i64,
-}
+_NUMBERS = dict(
+    zip(
+        range(0xCA, 0xD4),
+        (Reader.be_f32, Reader.be_f64, Reader.u8, Reader.be_u16, Reader.be_u32, Reader.be_u64,
+         Reader.be_i8, Reader.be_i16, Reader.be_i32, Reader.be_i64),
+    )
+)  # fmt: skip
 #: Type bytes followed by a length: how the length is read, and what follows.
 _SIZED = {
     b: (length, kind)
@@ -390,11 +370,9 @@ _SIZED = {
 class _Parser:
     """Bounded msgpack parser producing flax's ``msgpack_restore`` values.
 
-    ``placeholders``: the array headers a compact buffer's placeholders stand for
-    (see :class:`_Compactor`).  ``summarise`` (inspect) keeps only what :func:`_entries` will list (see the
-    module doc), counting the rest in ``unlisted``.  ``marked`` records where
-    each map holding flax's chunked-array key or the PRNG key marker was read,
-    for error offsets.
+    ``placeholders``: the array headers a compact buffer's placeholders stand
+    for (:class:`_Compactor`); ``summarise`` (inspect) keeps only what
+    :func:`_entries` lists; ``marked``: where each chunked-array or key map was read.
     """
 
     def __init__(
@@ -550,7 +528,7 @@ class _Parser:
         raise r.error(f"unknown msgpack extension type {code}", field, body.start - 1)
 
     def ndarray(self, body: Reader, field: str) -> Any:
-        shape, dt, _ = _fast_array_header(body) or self.array_header(body, field)
+        shape, dt, _ = self.array_header(body, field)
         arr = body.array(dt, shape, field)
         body.expect_end(field)
         return arr
@@ -607,56 +585,16 @@ _DTYPE_BY_FIXSTR: dict[bytes, np.dtype[Any]] = {
 _BIN_WIDTH = {0xC4: 1, 0xC5: 2, 0xC6: 4}
 
 
-def _fast_array_header(body: Reader) -> tuple[tuple[int, ...], np.dtype[Any], int] | None:
-    """The common ``[shape, dtype, data]`` header parsed in one go, or None.
-
-    Only fixarray shapes of positive fixints, fixstr dtype names and bin data
-    of exactly the right length take this path; anything else, malformed
-    input included, goes to the general parser, which reports errors precisely.
-    """
-    v = body.view
-    p = body.pos
-    end = len(v)
-    if p + 2 > end or v[p] != 0x93:
-        return None
-    ndim = v[p + 1] - 0x90
-    if not 0 <= ndim <= 15 or p + 3 + ndim > end:
-        return None
-    shape = tuple(v[p + 2 : p + 2 + ndim])
-    if any(d > 0x7F for d in shape):
-        return None
-    q = p + 2 + ndim
-    name_len = v[q] - 0xA0
-    if not 0 <= name_len <= 31 or q + 2 + name_len > end:
-        return None
-    dt = _DTYPE_BY_FIXSTR.get(bytes(v[q : q + 1 + name_len]))
-    if dt is None:
-        return None
-    q += 1 + name_len
-    width = _BIN_WIDTH.get(v[q])
-    if width is None or q + 1 + width > end:
-        return None
-    n = int.from_bytes(v[q + 1 : q + 1 + width], "big")
-    if n != math.prod(shape) * dt.itemsize:
-        return None
-    body.pos = q + 1 + width
-    return shape, dt, n
-
-
 # key (32) + ext header (6) + [ and its dims (1 + 1 + 15 * 5) + dtype name (32) + bin header (5)
 _ITEM_WINDOW = 32 + 6 + 2 + 15 * 5 + 32 + 5
 
 
 def _fast_item(view: memoryview, p: int, end: int) -> tuple[str, np.ndarray, int] | None:
-    """The map item at ``view[p]`` when it is a fixstr key and an array: (key, array, next pos).
+    """``(key, array, next pos)`` for a map item spelled as every state-dict leaf is, else None.
 
-    Takes the common spelling only (every leaf of a state dict): a fixstr key,
-    then an ext 8/16/32 of code 1 holding ``[shape of uint dims, fixstr dtype,
-    bin]`` whose lengths agree exactly, with no zero dimension (whose nominal
-    size :func:`check_shape` must judge).  Anything else, malformed input
-    included, returns None for the general parser, which reports errors
-    precisely.  Every length is checked against the extension's end (itself
-    within ``end``) before it is used.
+    A fixstr key, then an ext 8/16/32 of code 1 holding ``[uint dims, fixstr
+    dtype, bin]`` whose lengths agree, no zero dimension; anything else
+    (malformed input included) goes to the general parser, which locates errors.
     """
     # Indexing a bytes copy of the framing is much cheaper than indexing a memoryview.
     h = view[p : p + _ITEM_WINDOW].tobytes()
@@ -822,12 +760,7 @@ def _parse(
     r = Reader(view, source=source)
     if r.remaining == 0:
         raise r.error("empty file", "msgpack object", 0)
-    parser = _Parser(
-        r,
-        summarise=summarise,
-        placeholders=placeholders,
-        file_size=file_size,
-    )
+    parser = _Parser(r, summarise=summarise, placeholders=placeholders, file_size=file_size)
     tree = parser.value(0, "")
     r.expect_end("end of msgpack object")
     if not parser.marked:  # no chunked array or key map anywhere: nothing to replace
@@ -860,11 +793,7 @@ def _entries(node: Any, path: tuple[Any, ...], out: list[Entry]) -> None:
 
 
 def inspect(source: ByteSource) -> Info:
-    """Entries (array shapes/dtypes; Python scalars with their type name) without reading array data.
-
-    Scalars beyond the listing limits (see the module doc) are counted in
-    ``meta["unlisted_scalars"]`` instead of listed.
-    """
+    """Entries (arrays; Python scalars by type name) without reading array data."""
     tree, unlisted = _parse_compact(source, summarise=True)
     entries: list[Entry] = []
     _entries(tree, (), entries)
@@ -889,27 +818,15 @@ _ARRAY_HEAD = 4096
 _BLOB_WIDTH = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}
 _EXT_WIDTH = {0xC7: 1, 0xC8: 2, 0xC9: 4}
 #: The sizes of fixed-width numbers by type byte (float 32, 64; uint 8..64; int 8..64).
-_FIXED_SIZE = {
-    0xCA: 4,
-    0xCB: 8,
-    0xCC: 1,
-    0xCD: 2,
-    0xCE: 4,
-    0xCF: 8,
-    0xD0: 1,
-    0xD1: 2,
-    0xD2: 4,
-    0xD3: 8,
-}
+_FIXED_SIZE = dict(zip(range(0xCA, 0xD4), (4, 8, 1, 2, 4, 8, 1, 2, 4, 8)))
 _COUNT_WIDTH = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
 
 
 def _walk_framing(sp: _Compactor) -> None:
     """Read the framing of the msgpack object into ``sp``, skipping array payloads.
 
-    Not a validator: it stops at anything it does not follow (an invalid byte,
-    the end of the file, absurd nesting) and leaves the error to the parser,
-    which meets it at the same offset with the real bytes in place.
+    Not a validator: it stops at anything it does not follow, and the parser
+    reports the error at the same offset with the real bytes in place.
     """
     pos = 0
     pending = [1]  # values left to read at each open level
@@ -1016,7 +933,7 @@ class _Compactor:
             return self.keep(pos, body - pos + n)
         # the array: its header checked here, the whole extension becomes a placeholder
         r = Reader(self.get(body, min(n, _ARRAY_HEAD)), source=self.name, start=body)
-        shape, dt, nbytes = _fast_array_header(r) or _Parser(r).array_header(r, "msgpack")
+        shape, dt, nbytes = _Parser(r).array_header(r, "msgpack")
         at = r.offset
         if at - body + nbytes != n:
             raise FormatError(
@@ -1126,11 +1043,7 @@ def _as_slots(node: Any, path: tuple[Any, ...], source: str | None) -> Any:
 
 
 def slots(source: ByteSource) -> Slots:
-    """Where each array's payload lies: the framing is read, payloads are skipped.
-
-    The values between arrays (keys, scalars, strings) are read as ``decode``
-    reads them; each array costs the window of the file around its header.
-    """
+    """Where each array's payload lies (the framing is read as ``decode`` reads it)."""
     tree, _ = _parse_compact(source)
     return Slots(_as_slots(tree, (), source.name), {})
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
-import threading
+import sys
 from collections.abc import Callable, Iterator
 
 from pytreeio.core.errors import UnknownFormatError
@@ -26,39 +26,37 @@ __all__ = [
     "iter_formats",
 ]
 
-#: The modules that register the built-in formats, in sniffing order (ties go to the first).
-BUILTIN: tuple[str, ...] = (
-    "pytreeio.formats.safetensors",
-    "pytreeio.formats.tinyllama",
-    "pytreeio.formats.netcl.model_file",
-    "pytreeio.formats.netcl.checkpoint",
-    "pytreeio.formats.datacode.nn",
-    "pytreeio.formats.waffe2.state_dict",
-    "pytreeio.formats.bullet.checkpoint",
-    "pytreeio.formats.msgpack",
-)
+#: The built-in formats: name -> (the module that registers it, its suffixes), in sniffing
+#: order (ties go to the first).  A call that names a format, or a path whose suffix names
+#: one, imports that format's module alone; sniffing content imports them all.
+BUILTIN: dict[str, tuple[str, tuple[str, ...]]] = {
+    "safetensors": ("pytreeio.formats.safetensors", (".safetensors",)),
+    "tinyllama": ("pytreeio.formats.tinyllama", ()),
+    "netcl": ("pytreeio.formats.netcl.model_file", (".netcl",)),
+    "netcl-checkpoint": ("pytreeio.formats.netcl.checkpoint", ()),
+    "netcl-params": ("pytreeio.formats.netcl.checkpoint", ()),
+    "datacode": ("pytreeio.formats.datacode.nn", (".nn",)),
+    "waffe2": ("pytreeio.formats.waffe2.state_dict", (".wf2model",)),
+    "bullet": ("pytreeio.formats.bullet.checkpoint", ()),
+    "msgpack": ("pytreeio.formats.msgpack", (".msgpack", ".flax")),
+}
+_RANK = {name: i for i, name in enumerate(BUILTIN)}
 
 _REGISTRY: dict[str, Format] = {}
-_builtins_loaded = False
-_builtins_loading = False
-# Threads that consult the registry first must wait until every built-in format is registered.
-_builtins_lock = threading.RLock()
 
 
-def _load_builtins() -> None:
-    global _builtins_loaded, _builtins_loading
-    if _builtins_loaded:
-        return
-    with _builtins_lock:
-        if _builtins_loaded or _builtins_loading:  # (a format module consulting the registry)
-            return
-        _builtins_loading = True
-        try:
-            for module in BUILTIN:
-                importlib.import_module(module)
-        finally:
-            _builtins_loaded = True
-            _builtins_loading = False
+def _import_builtin(name: str) -> None:
+    """Import the module that registers the built-in format ``name`` (if it is one)."""
+    if name in BUILTIN and name not in _REGISTRY:
+        importlib.import_module(BUILTIN[name][0])
+
+
+def _all() -> list[Format]:
+    """Every format, built-in ones first in :data:`BUILTIN` order, then others as registered:
+    the order never depends on which formats a process happened to use first."""
+    for name in BUILTIN:
+        _import_builtin(name)
+    return sorted(_REGISTRY.values(), key=lambda f: _RANK.get(f.name, len(_RANK)))
 
 
 def register(fmt: Format, *, replace: bool = False) -> Format:
@@ -73,6 +71,8 @@ def register(fmt: Format, *, replace: bool = False) -> Format:
         raise TypeError(f"format {fmt.name!r}: layout must be FILE, Siblings(...) or DIRECTORY")
     for fn in (fmt.encode, fmt.decode, fmt.restore, fmt.to_model, fmt.from_model, fmt.slots):
         declared_options(fn)  # raises for **kwargs
+    if fmt.name in BUILTIN and BUILTIN[fmt.name][0] not in sys.modules:
+        _import_builtin(fmt.name)  # the built-in of that name first, so replace= means the same
     if not replace and fmt.name in _REGISTRY and _REGISTRY[fmt.name] is not fmt:
         raise ValueError(f"a format named {fmt.name!r} is already registered")
     _REGISTRY[fmt.name] = fmt
@@ -86,19 +86,19 @@ def unregister(name: str) -> None:
 
 def formats() -> dict[str, Format]:
     """All registered formats, by name."""
-    _load_builtins()
-    return dict(_REGISTRY)
+    return {f.name: f for f in _all()}
 
 
 def get(name: str | Format, *, path: str | os.PathLike[str] | None = None) -> Format:
     """The format called ``name`` (a :class:`Format` is returned as is)."""
     if isinstance(name, Format):
         return name
-    _load_builtins()
+    if isinstance(name, str):
+        _import_builtin(name)
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
-        known = ", ".join(sorted(_REGISTRY))
+        known = ", ".join(sorted(formats()))
         raise UnknownFormatError(
             f"unknown format {name!r}; known formats: {known}",
             path=os.fspath(path) if path is not None else None,
@@ -107,14 +107,16 @@ def get(name: str | Format, *, path: str | os.PathLike[str] | None = None) -> Fo
 
 def for_suffix(path: str | os.PathLike[str]) -> Format | None:
     """The single format whose suffix ends ``path``, or None (unknown or ambiguous)."""
-    _load_builtins()
     name = os.fspath(path).lower()
-    hits = [f for f in _REGISTRY.values() if any(name.endswith(s) for s in f.suffixes)]
-    if not hits:
-        return None
-    longest = max(max(len(s) for s in f.suffixes if name.endswith(s)) for f in hits)
-    best = [f for f in hits if any(name.endswith(s) and len(s) == longest for s in f.suffixes)]
-    return best[0] if len(best) == 1 else None
+    suffixes = {n: sfx for n, (_, sfx) in BUILTIN.items()}
+    suffixes.update((f.name, f.suffixes) for f in _REGISTRY.values())
+    hits = {
+        n: max(len(s) for s in sfx if name.endswith(s))
+        for n, sfx in suffixes.items()
+        if any(name.endswith(s) for s in sfx)
+    }
+    best = [n for n, length in hits.items() if length == max(hits.values())]
+    return get(best[0]) if len(best) == 1 else None
 
 
 def best_match(probe_for: Callable[[Layout], Probe]) -> Format | None:
@@ -124,10 +126,9 @@ def best_match(probe_for: Callable[[Layout], Probe]) -> Format | None:
     raises is treated as "not this format": sniffing must never turn a load
     into a crash.  Ties go to the format registered first.
     """
-    _load_builtins()
     probes: dict[Layout, Probe] = {}
     best: tuple[float, Format] | None = None
-    for fmt in _REGISTRY.values():
+    for fmt in _all():
         if fmt.layout not in probes:
             probes[fmt.layout] = probe_for(fmt.layout)
         try:
@@ -140,5 +141,4 @@ def best_match(probe_for: Callable[[Layout], Probe]) -> Format | None:
 
 
 def iter_formats() -> Iterator[Format]:
-    _load_builtins()
-    yield from _REGISTRY.values()
+    yield from _all()

@@ -36,7 +36,7 @@ The structure document (``pytreeio.core.tree``), one JSON value per tree node::
     {"list": [node, ...]}, {"tuple": [...]}    a list, a tuple
     {"namedtuple": name, "fields": [...], "items": [node, ...]}
 
-Reading is bounded: every JSON document goes through :func:`pytreeio.jsonsafe.loads`
+Reading is bounded: every JSON document goes through :func:`pytreeio.core.jsonsafe.loads`
 (depth, value count, NaN, duplicate keys), trees nest at most
 :data:`MAX_TREE_DEPTH` levels, shapes are checked with
 :func:`pytreeio.core.binary.check_shape`, namedtuple names must be identifiers that
@@ -60,8 +60,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from pytreeio import jsonsafe
-from pytreeio.core import dtypes, keys, nnx, shards
+from pytreeio.core import dtypes, jsonsafe, keys, nnx, shards
 from pytreeio.core.binary import ByteSource, Deferred, Reader, Slot, Slots, Streamed, check_shape
 from pytreeio.core.errors import EncodeError, FormatError
 from pytreeio.core.records import (

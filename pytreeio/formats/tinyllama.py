@@ -46,37 +46,19 @@ Native tree (``decode`` output, ``encode`` input)::
      'output': (D, V)}
 
 meta = ``{'config': {d_model, n_layers, n_heads, ffn_hidden_dim, max_seq_len,
-vocab_size, dropout}}``.  ``dropout`` is reported as the float32 value stored in
-the file (0.1f reads as 0.10000000149011612) so that writing it back reproduces
-the same four bytes.
+vocab_size, dropout}}``, ``dropout`` as the float32 stored (so it writes back
+the same four bytes).  ``encode`` also accepts the Flax layout of
+:mod:`pytreeio.models.tinyllama` (``layers_N`` keys, optional ``{'params':
+...}``), and ``restore`` maps the native tree onto either layout.
 
-``encode`` also accepts the Flax layout of :mod:`pytreeio.models.tinyllama`
-(an optional ``{'params': ...}`` wrapper and ``layers_N`` keys instead of a
-``layers`` list), and ``restore`` maps the native tree onto either layout.
-
-Strictness beyond the original loader: every truncation (including inside the
-last matrix) is an error at the offset where the file ends, ``d_model %
-n_heads != 0`` is an error, the file size must equal the size computed from the
-header (checked arithmetically before any record is looked at), and a dropout
-that is not a finite number in [0, 1] is rejected.
-
-Bounded cost: every record becomes a Python object (an array on ``decode``, an
-``Entry`` on ``inspect``; about 175 and 230 bytes measured), so the header may
-not imply more than ``(file size + 64 MiB) / RECORD_COST`` records
-(:data:`RECORD_COST` = 512, twice what they cost): a 19 MB file claiming
-100,000 layers of ``d_model`` 1 is refused from its header (it would cost
-600 MB), and so is a sparse file claiming billions of layers.  Real models are
-far inside the limit: one layer of ``d_model`` 64 is 130 KB for its 12 records;
-the limit only bites thousands of layers of ``d_model`` below 16.
-
-Layers are numbered from 0 in messages, as in the
-native tree's ``layers`` list.
-
-Arrays must be float32.  Other dtypes are refused on ``encode`` unless the
-caller passes ``cast=True``, which converts floating-point arrays to float32
-(never integers).  ``encode`` takes a streaming conversion's
-:class:`~pytreeio.core.binary.Streamed` arrays too (each read, and cast, when
-its record is written).
+Stricter than the original loader: every truncation is an error at the
+offset where the file ends, ``d_model % n_heads`` must be 0, the file size
+must equal the header's (checked before any record is read), and dropout
+must be finite in [0, 1].  Each record costs a Python object, so the header
+may imply at most ``(file size + 64 MiB) / RECORD_COST`` records (a small or
+sparse file claiming millions of layers is refused from its header).  Layers
+are numbered from 0 in messages.  Arrays must be float32 (``cast=True``
+converts floating-point ones); streamed arrays are read, and cast, when written.
 """
 
 from __future__ import annotations
@@ -386,14 +368,8 @@ def decode(
     expected_config: Mapping[str, Any] | None = None,
     source: str | None = None,
 ) -> Decoded:
-    """Parse a weights file into its native tree (zero-copy float32 views of ``buffer``).
-
-    Args:
-      buffer: the whole file.
-      expected_config: optional config (all or some of :data:`CONFIG_FIELDS`)
-        the file must have; a differing field is a :class:`MismatchError`.
-      source: file name for error messages (the I/O layer fills it otherwise).
-    """
+    """The native tree of a whole weights file (float32 views of ``buffer``); a field of
+    ``expected_config`` (some of :data:`CONFIG_FIELDS`) the file differs in is a :class:`MismatchError`."""
     r = Reader(buffer, source=source)
     cfg = _read_header(r)
     _check_expected(cfg, expected_config)
@@ -697,14 +673,8 @@ def encode(
     meta: Mapping[str, Any] | None = None,
     cast: bool = False,
 ) -> Encoded:
-    """Serialise a native (or Flax-layout) tree; float32 arrays are referenced, not copied.
-
-    Args:
-      tree: the native tree, or Flax params (``layers_N`` keys, optional ``{'params': ...}``).
-      meta: ``{'config': {...}}``; ``n_heads`` and ``dropout`` are required, the
-        other fields are inferred from the shapes and, if given, must agree.
-      cast: convert non-float32 floating-point arrays to float32 instead of refusing them.
-    """
+    """A native (or Flax-layout) tree's file, float32 arrays referenced; ``meta['config']`` needs
+    ``n_heads`` and ``dropout`` (the rest, inferred from the shapes, must agree if given)."""
     tree = _unwrap_params(tree)
     if not isinstance(tree, Mapping):
         raise _refuse((), "a Tiny Llama tree must be a dict", "dict", type(tree).__name__)

@@ -8,26 +8,14 @@ functions on its record, ``to_model(native, meta) -> Model`` and
 live there, written once.  Flax trees map onto a Model here, once, for every
 format.
 
-Layer vocabulary (:data:`LAYERS`): each type's arguments in canonical order
-with their defaults, and its arrays **in Flax orientation**:
-
-=========== ================================================ ==========================================
-type        args (defaults)                                  arrays (Flax names, parameter order)
-=========== ================================================ ==========================================
-Linear      in_features, out_features, bias (True)           kernel (in, out), bias (out,)
-Conv2d      in_channels, out_channels, kernel_size,          kernel (k, k, in/groups, out) HWIO,
-            stride (1), pad (0), bias (True), dilation (1),  bias (out,)
-            groups (1)
-BatchNorm2d num_features, momentum (0.1), eps (1e-5)         scale, bias (n,); statistics mean, var (n,)
-LeakyReLU   negative_slope (0.01)
-Dropout     p (0.5), seed (None)
-MaxPool2d   kernel_size (2), stride (2)
-ReLU, Sigmoid, Tanh, Softmax, Flatten: no args, no arrays
-=========== ================================================ ==========================================
+The layer vocabulary is :data:`LAYERS` (each type's arguments with their
+defaults, and its arrays).  Arrays are **in Flax orientation**: Linear
+``kernel`` (in, out); Conv2d ``kernel`` HWIO (k, k, in/groups, out); biases
+and BatchNorm2d's ``scale``, ``bias`` and statistics ``mean``, ``var`` (n,).
 
 **Parameter order** (the order of ``model.params`` and of every optimizer
-slot list): layer order, then the layer type's parameter order above.
-BatchNorm statistics are not parameters.
+slot list): layer order, then the type's :attr:`LayerSpec.params` order
+(kernel, bias; scale, bias).  BatchNorm statistics are not parameters.
 
 **Flax trees** (``Model.from_flax`` / ``Model.to_flax``): a params tree or a
 variables dict ``{'params': ..., 'batch_stats': ...}`` whose modules are
@@ -45,16 +33,17 @@ possibly made of ``jax.ShapeDtypeStruct`` leaves (``jax.eval_shape``).
 
 from __future__ import annotations
 
-import functools
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from pytreeio.core.errors import ConversionError, MismatchError
+from pytreeio.core.errors import ConversionError, MismatchError, PytreeioWarning
 from pytreeio.core.tree import allows_extra, describe_leaf, restore
+from pytreeio.model import optim
 
 __all__ = [
     "LAYERS",
@@ -64,8 +53,6 @@ __all__ = [
     "REQUIRED",
     "layer_list",
     "entry_parts",
-    "layer_problems",
-    "check_convertible",
     "refuse",
     "normalize_layers",
     "is_flax_tree",
@@ -105,20 +92,15 @@ class LayerSpec:
     stats: tuple[str, ...] = ()
     flax: str | None = None
 
-    # Cached: layer checks ask these once per layer, and models have thousands of layers.
-    @functools.cached_property
+    @property
     def arrays(self) -> tuple[str, ...]:
         return self.params + self.stats
 
-    @functools.cached_property
-    def arg_names(self) -> tuple[str, ...]:
-        return tuple(k for k, _ in self.args)
-
-    @functools.cached_property
+    @property
     def arg_set(self) -> frozenset[str]:
-        return frozenset(self.arg_names)
+        return frozenset(k for k, _ in self.args)
 
-    @functools.cached_property
+    @property
     def required(self) -> tuple[str, ...]:
         """The args without a default."""
         return tuple(k for k, d in self.args if d is REQUIRED)
@@ -164,17 +146,8 @@ _FLAX_KIND = {spec.flax: name for name, spec in LAYERS.items() if spec.flax}
 _FLAX_NAME = re.compile(r"\A(Dense|Conv|BatchNorm|layers)_(0|[1-9][0-9]{0,5})\Z")
 #: Arguments that must be positive integers.
 _POSITIVE_ARGS = frozenset(
-    {
-        "in_features",
-        "out_features",
-        "in_channels",
-        "out_channels",
-        "kernel_size",
-        "num_features",
-        "groups",
-        "stride",
-        "dilation",
-    }
+    {"in_features", "out_features", "in_channels", "out_channels", "kernel_size"}
+    | {"num_features", "groups", "stride", "dilation"}
 )
 #: Keys of a layer entry that describe it but are not arguments.
 _ENTRY_NOTES = frozenset({"name", "trainable"})
@@ -183,14 +156,10 @@ _ARGS_ENTRY_KEYS = _ENTRY_NOTES | {"type", "args"}
 
 
 def _shape(a: Any) -> tuple[int, ...]:
-    if type(a) is np.ndarray:  # its shape already is a tuple of ints
-        return a.shape
     return tuple(map(int, a.shape))
 
 
-# --------------------------------------------------------------------------
-# layers
-# --------------------------------------------------------------------------
+# --- layers ---
 
 
 @dataclass(frozen=True)
@@ -244,7 +213,7 @@ def _inferred_args(
 
 def _guess_type(arrays: Mapping[str, Any]) -> str | None:
     keys = set(arrays)
-    if keys and keys <= {"scale", "bias", "mean", "var"} and "kernel" not in keys:
+    if keys and keys <= {"scale", "bias", "mean", "var"}:
         return "BatchNorm2d" if keys & {"scale", "mean", "var"} else None
     if "kernel" in keys and keys <= {"kernel", "bias"}:
         return {2: "Linear", 4: "Conv2d"}.get(len(_shape(arrays["kernel"])))
@@ -270,18 +239,14 @@ def layer_problems(ltype: str, args: Mapping[str, Any], arrays: Mapping[str, Any
         return out
     want: dict[str, tuple[int, ...]] = {}
     if ltype == "Linear":
-        want = {
-            "kernel": (full["in_features"], full["out_features"]),
-            "bias": (full["out_features"],),
-        }
+        n_in, n_out = full["in_features"], full["out_features"]
+        want = {"kernel": (n_in, n_out), "bias": (n_out,)}
     elif ltype == "Conv2d":
         g, k = full["groups"], full["kernel_size"]
-        if full["in_channels"] % g or full["out_channels"] % g:
+        n_in, n_out = full["in_channels"], full["out_channels"]
+        if n_in % g or n_out % g:
             out.append(f"groups={g} must divide in_channels and out_channels")
-        want = {
-            "kernel": (k, k, full["in_channels"] // g, full["out_channels"]),
-            "bias": (full["out_channels"],),
-        }
+        want = {"kernel": (k, k, n_in // g, n_out), "bias": (n_out,)}
     elif ltype == "BatchNorm2d":
         want = {k: (full["num_features"],) for k in spec.arrays}
     for k, shape in want.items():
@@ -292,60 +257,47 @@ def layer_problems(ltype: str, args: Mapping[str, Any], arrays: Mapping[str, Any
 
 def entry_parts(entry: Any, index: int) -> tuple[str, dict[str, Any], bool]:
     """``(type, given args, trainable)`` of one layer-list entry in any accepted spelling."""
-    trainable = True
-    args: dict[str, Any]
-    if type(entry) is str:
-        ltype, args = entry, {}
-    elif isinstance(entry, Layer):
+    if isinstance(entry, Layer):
         return entry.type, dict(entry.args), entry.trainable
-    elif isinstance(entry, str):
-        ltype, args = entry, {}
-    elif type(entry) is dict or isinstance(entry, Mapping):  # dict first: ABC checks are slow
-        if "type" not in entry:
-            raise MismatchError(
-                "a layer entry needs a 'type'",
-                key_path=f"layers[{index}]",
-                found=sorted(map(str, entry)),
-            )
-        ltype = entry["type"]
-        if "args" in entry:
-            extra = not entry.keys() <= _ARGS_ENTRY_KEYS
-            args = entry["args"] if entry["args"] is not None else {}
-            if extra or not isinstance(args, Mapping):
-                raise MismatchError(
-                    "a layer entry is {'type': T, 'args': {...}} or {'type': T, <args>}",
-                    key_path=f"layers[{index}]",
-                    found=sorted(map(str, entry)),
-                )
-            args = dict(args)
-        else:
-            args = {k: v for k, v in entry.items() if k != "type" and k not in _ENTRY_NOTES}
-        if "trainable" in entry:
-            trainable = entry["trainable"]
-            if type(trainable) is not bool:
-                raise MismatchError(
-                    "trainable must be true or false", key_path=f"layers[{index}].trainable"
-                )
-    else:
+    where = f"layers[{index}]"
+    if isinstance(entry, str):
+        entry = {"type": entry}
+    if not isinstance(entry, Mapping):
         raise MismatchError(
             "a layer entry must be a type name or a dict",
-            key_path=f"layers[{index}]",
+            key_path=where,
             found=type(entry).__name__,
         )
+    if "type" not in entry:
+        raise MismatchError(
+            "a layer entry needs a 'type'", key_path=where, found=sorted(map(str, entry))
+        )
+    ltype, trainable = entry["type"], entry.get("trainable", True)
+    if "args" in entry:
+        args = entry["args"] if entry["args"] is not None else {}
+        if not entry.keys() <= _ARGS_ENTRY_KEYS or not isinstance(args, Mapping):
+            raise MismatchError(
+                "a layer entry is {'type': T, 'args': {...}} or {'type': T, <args>}",
+                key_path=where,
+                found=sorted(map(str, entry)),
+            )
+    else:
+        args = {k: v for k, v in entry.items() if k != "type" and k not in _ENTRY_NOTES}
+    if type(trainable) is not bool:
+        raise MismatchError("trainable must be true or false", key_path=f"{where}.trainable")
     if not isinstance(ltype, str) or ltype not in LAYERS:
         raise MismatchError(
             f"unknown layer type {ltype!r}; known: {sorted(LAYERS)}",
-            key_path=f"layers[{index}].type",
+            key_path=f"{where}.type",
         )
-    known = LAYERS[ltype].arg_set
-    unknown = [k for k in args if k not in known]
+    unknown = [k for k in args if k not in LAYERS[ltype].arg_set]
     if unknown:
         raise MismatchError(
             f"unknown args {sorted(map(str, unknown))} for {ltype}",
-            key_path=f"layers[{index}].args",
-            expected=list(LAYERS[ltype].arg_names),
+            key_path=f"{where}.args",
+            expected=[k for k, _ in LAYERS[ltype].args],
         )
-    return ltype, args, trainable
+    return ltype, dict(args), trainable
 
 
 def layer_list(value: Any) -> list[Any] | None:
@@ -393,29 +345,19 @@ def normalize_layers(
                     key_path=f"layers[{i}]",
                 )
             ltype, given, trainable = guessed, {}, True
-        args = _layer_args(i, ltype, given, arrs)
+        inferred = _inferred_args(ltype, arrs, given)
+        args = {k: given[k] if k in given else inferred.get(k, d) for k, d in LAYERS[ltype].args}
+        problems = layer_problems(ltype, args, arrs)
+        if problems:
+            raise MismatchError(
+                f"layer {i} ({ltype}): {'; '.join(problems)}", key_path=f"layers[{i}]"
+            )
         ordered = {k: arrs[k] for k in LAYERS[ltype].arrays if k in arrs}
         out.append(Layer(ltype, args, ordered, trainable))
     return out
 
 
-def _layer_args(
-    i: int, ltype: str, given: Mapping[str, Any], arrs: Mapping[str, Any]
-) -> dict[str, Any]:
-    """Layer ``i``'s full args (given, else inferred from its arrays, else defaults), checked."""
-    inferred = _inferred_args(ltype, arrs, given)
-    args: dict[str, Any] = {}
-    for k, default in LAYERS[ltype].args:
-        args[k] = given[k] if k in given else inferred.get(k, default)
-    problems = layer_problems(ltype, args, arrs)
-    if problems:
-        raise MismatchError(f"layer {i} ({ltype}): {'; '.join(problems)}", key_path=f"layers[{i}]")
-    return args
-
-
-# --------------------------------------------------------------------------
-# the Model
-# --------------------------------------------------------------------------
+# --- the Model ---
 
 
 @dataclass(frozen=True)
@@ -426,17 +368,14 @@ class Model:
       layers: the layers in network order.
       opt_state: the optimizer state aligned with :attr:`params`, if any.
       step: a training step counter kept beside the parameters (TrainState.step).
-      extras: what a format's file holds beyond the common form, by format
-        name: ``{"datacode": {"training": {...}}}``.  A ``to_model`` records
-        here only what carries information (DataCode's training stages and
-        histories, netcl-checkpoint's ``config``, bullet's ``log.txt``); the
-        format's own ``from_model`` writes it back, and converting into any
-        other format (except a generic one that keeps the source's native
-        tree) is a :class:`ConversionError` naming it unless ``lossy``.
-      origin: the format the model was read from (set by the API when it
-        converts); ``None`` for a model made from a caller's Flax tree.  A
-        format whose save has a lossy default for Flax trees (cl-waffe2 writes
-        no optimizer entries unless asked) keeps everything for a converted model.
+      extras: what a format's file holds beyond the common form, by format name
+        (``{"datacode": {"training": {...}}}``): only the format's own
+        ``from_model`` writes it back; converting it elsewhere (except into a
+        generic format keeping the native tree) needs ``lossy``.
+      origin: the format the model was read from (set when converting), None
+        for a caller's Flax tree: a format whose save of Flax trees is lossy by
+        default (cl-waffe2 writes no optimizer entries unless asked) keeps
+        everything of a converted model.
     """
 
     layers: tuple[Layer, ...]
@@ -457,13 +396,12 @@ class Model:
     def replace(self, **changes: Any) -> Model:
         return replace(self, **changes)
 
-    # -- Flax ---------------------------------------------------------------
     @classmethod
     def from_flax(cls, variables: Any, layers: Any = None) -> Model:
         """A Model from a Flax params tree or variables dict (``Dense_N``/``Conv_N``/``BatchNorm_N``/``layers_N``)."""
         params, stats, _ = _split_flax_or_raise(variables)
         entries = layer_list(layers)
-        index = _flax_index(list(params), entries)
+        index = _flax_index(list(params), entries, exact=True)
         n = len(entries) if entries is not None else max(index.values()) + 1
         per_layer: list[dict[str, Any]] = [{} for _ in range(n)]
         for name, module in params.items():
@@ -499,9 +437,8 @@ class Model:
         size) reads as a Linear, a 4-D HWIO kernel (and bias) as a Conv2d, and
         two equal 1-D arrays as a BatchNorm2d; anything else needs ``layers``.
         """
-        entries = layer_list(layers) if layers is not None else None
+        entries = layer_list(layers)
         if entries is None:
-            # the layers' types and args follow from their arrays, as normalize_layers reads them
             return cls(tuple(normalize_layers(None, _inferred_layers(arrays))))
         per_layer = []
         pos = 0
@@ -526,8 +463,7 @@ class Model:
     def to_flax(self, like: Any) -> Any:
         """This model's arrays in the structure of ``like`` (a Flax params tree or variables dict)."""
         params_like, stats_like, variables = _split_flax_or_raise(like)
-        types = [layer.type for layer in self.layers]
-        index = _flax_index(list(params_like), types, module_likes=params_like, stats=stats_like)
+        index = _flax_index(list(params_like), [layer.type for layer in self.layers])
 
         def take(i: int, key: str, path: tuple[str, ...], like_leaf: Any) -> Any:
             layer = self.layers[i] if i < len(self.layers) else None
@@ -540,9 +476,6 @@ class Model:
                 )
             return restore(layer.arrays[key], like_leaf, path=path)
 
-        # Arrays taken: module names map to distinct layers (``_flax_index``) and a module's
-        # leaf names are distinct, so no array is counted twice.
-        taken = 0
         out_params: dict[str, Any] = {}
         out_stats: dict[str, Any] = {}
         for name, module in params_like.items():
@@ -556,16 +489,13 @@ class Model:
             spec = LAYERS[kind]
             _check_leaf_names(name, module, spec.params, "params")
             out_params[name] = {k: take(i, k, ("params", name, k), v) for k, v in module.items()}
-            taken += len(module)
             if name in stats_like:
                 st = stats_like[name]
                 _check_leaf_names(name, st, spec.stats, "batch_stats")
                 out_stats[name] = {
                     k: take(i, k, ("batch_stats", name, k), v) for k, v in st.items()
                 }
-                taken += len(st)
-        if taken != sum(len(layer.arrays) for layer in self.layers):
-            self._refuse_untaken(out_params, out_stats, index)
+        self._refuse_untaken(out_params, out_stats, index)
         if variables:
             result: dict[str, Any] = {"params": out_params}
             if isinstance(like, Mapping) and "batch_stats" in like:
@@ -596,9 +526,8 @@ class Model:
 
     def param_paths(self, params_like: Any) -> list[tuple[str, ...]]:
         """Key paths (into ``params_like``'s params tree) of :attr:`params`, in parameter order."""
-        params, stats, _ = _split_flax_or_raise(params_like)
-        types = [layer.type for layer in self.layers]
-        index = _flax_index(list(params), types, module_likes=params, stats=stats)
+        params = _split_flax_or_raise(params_like)[0]
+        index = _flax_index(list(params), [layer.type for layer in self.layers])
         by_layer = {i: name for name, i in index.items()}
         out: list[tuple[str, ...]] = []
         for i, k, _ in self.params:
@@ -613,36 +542,28 @@ class Model:
 
 
 def _inferred_layers(arrays: Sequence[Any]) -> list[dict[str, Any]]:
-    """A parameter list's arrays grouped into layers by their shapes (see
-    :meth:`Model.from_params`): a 2-D or 4-D kernel and a following bias of its out size, two
-    equal 1-D arrays (a BatchNorm2d's scale and bias)."""
+    """A parameter list's arrays grouped into layers by their shapes (see :meth:`Model.from_params`)."""
     per_layer: list[dict[str, Any]] = []
     i = 0
     while i < len(arrays):
         shape = _shape(arrays[i])
         nxt = _shape(arrays[i + 1]) if i + 1 < len(arrays) else None
         if len(shape) in (2, 4):
-            has_bias = nxt == (shape[-1],)
-            layer = (
-                {"kernel": arrays[i], "bias": arrays[i + 1]} if has_bias else {"kernel": arrays[i]}
-            )
-            i += 2 if has_bias else 1
+            names: tuple[str, ...] = ("kernel", "bias") if nxt == (shape[-1],) else ("kernel",)
         elif len(shape) == 1 and nxt == shape:
-            layer = {"scale": arrays[i], "bias": arrays[i + 1]}
-            i += 2
+            names = ("scale", "bias")
         else:
             raise MismatchError(
                 f"parameter {i} {shape} does not start a Linear, Conv2d or BatchNorm2d layer; "
                 "pass layers=[...]",
                 key_path=f"[{i}]",
             )
-        per_layer.append(layer)
+        per_layer.append(dict(zip(names, arrays[i : i + len(names)])))
+        i += len(names)
     return per_layer
 
 
-# --------------------------------------------------------------------------
-# Flax naming
-# --------------------------------------------------------------------------
+# --- Flax naming ---
 
 
 def _flax_name(name: Any) -> tuple[str, int] | None:
@@ -669,10 +590,9 @@ def _split_flax(tree: Any) -> tuple[Mapping[str, Any], Mapping[str, Any], bool] 
         params, stats, variables = tree, {}, False
     if not params:
         return None
-    for k, m in params.items():  # one loop, not two all(): a model may have thousands of modules
-        if _flax_name(k) is None or not (type(m) is dict or isinstance(m, Mapping)):
-            return None
-    return params, stats, variables
+    if all(_flax_name(k) is not None and isinstance(m, Mapping) for k, m in params.items()):
+        return params, stats, variables
+    return None
 
 
 def _split_flax_or_raise(tree: Any) -> tuple[Mapping[str, Any], Mapping[str, Any], bool]:
@@ -692,13 +612,9 @@ def is_flax_tree(tree: Any) -> bool:
 
 
 def _flax_index(
-    names: Sequence[str],
-    entries: Sequence[Any] | None,
-    *,
-    module_likes: Mapping[str, Any] | None = None,
-    stats: Mapping[str, Any] | None = None,
+    names: Sequence[str], entries: Sequence[Any] | None, *, exact: bool = False
 ) -> dict[str, int]:
-    """The layer index of every Flax module name."""
+    """The layer index of every Flax module name; ``exact``: every layer of a kind has its module."""
     parsed = {n: _flax_name(n) for n in names}
     bases = {m[0] for m in parsed.values() if m}
     if "layers" in bases:
@@ -721,7 +637,7 @@ def _flax_index(
         positions = [i for i, t in enumerate(types) if t == ltype]
         have = sorted(m[1] for m in parsed.values() if m and m[0] == base)
         if any(k >= len(positions) for k in have) or (
-            module_likes is None and have != list(range(len(positions)))
+            exact and have != list(range(len(positions)))
         ):
             raise MismatchError(
                 f"the model has {len(positions)} {ltype} layers but the tree has {base} modules "
@@ -739,12 +655,6 @@ def _module_kind(name: str, module: Any, stats: Mapping[str, Any]) -> str:
     assert m is not None
     if m[0] != "layers":
         return _FLAX_KIND[m[0]]
-    if not isinstance(module, Mapping):
-        raise MismatchError(
-            f"{name} must be a dict of arrays",
-            key_path=f"params/{name}",
-            found=type(module).__name__,
-        )
     if "scale" in module or name in stats:
         return "BatchNorm2d"
     kernel: Any = module.get("kernel")
@@ -761,7 +671,7 @@ def _module_kind(name: str, module: Any, stats: Mapping[str, Any]) -> str:
 def _check_arrays(module: Mapping[str, Any], where: str) -> None:
     """Every leaf of a module is an array (numpy, jax, or anything with a shape and dtype)."""
     for k, v in module.items():
-        if type(v) is not np.ndarray and not (hasattr(v, "shape") and hasattr(v, "dtype")):
+        if not (hasattr(v, "shape") and hasattr(v, "dtype")):
             raise MismatchError(
                 "a model's parameters must be arrays",
                 key_path=f"{where}/{k}",
@@ -782,21 +692,14 @@ def _check_leaf_names(name: str, got: Any, allowed: Sequence[str], where: str) -
         )
 
 
-# --------------------------------------------------------------------------
-# model-shaped trees: params, {'params', 'opt_state'}, TrainState
-# --------------------------------------------------------------------------
+# --- model-shaped trees: params, {'params', 'opt_state'}, TrainState ---
 
 _STATE_KEYS = ("opt_state", "optim_state")
 
 
 @dataclass(frozen=True)
 class _Parts:
-    """A model-shaped tree taken apart.
-
-    ``shape`` is ``"flax"`` (a params tree or variables dict, returned as
-    such), ``"state"`` (a dict with ``params`` and an optimizer state and/or
-    ``step``) or ``"train_state"``.
-    """
+    """A model-shaped tree taken apart (``shape``: see :func:`model_like_shape`)."""
 
     shape: str
     params: Any
@@ -843,12 +746,8 @@ def model_like_shape(tree: Any) -> str | None:
 
 
 def _slot_views(params: Any, model: Model) -> list[tuple[Any, list[tuple[str, ...]]]]:
-    """``(tree, parameter paths)`` the optimizer may have been initialised on, likeliest first.
-
-    A params tree is itself; for a variables dict ``{'params': ..., 'batch_stats': ...}``
-    the optimizer usually holds ``variables['params']``, but may hold the whole dict
-    (its slots then start with ``params``).
-    """
+    """``(tree, parameter paths)`` the optimizer may have been initialised on, likeliest first:
+    a variables dict's ``params`` (usual), or the whole dict (slots then start with ``params``)."""
     if isinstance(params, Mapping) and "params" in params and isinstance(params["params"], Mapping):
         inner = params["params"]
         paths = model.param_paths(inner)
@@ -872,8 +771,6 @@ def model_of(
     tree: Any, *, layers: Any = None, hyperparams: Mapping[str, Any] | None = None
 ) -> Model:
     """The :class:`Model` of a model-shaped tree (its optimizer state and step included)."""
-    from pytreeio.model import optim
-
     parts = _parts(tree)
     if parts is None:
         raise MismatchError(
@@ -898,8 +795,6 @@ def model_of(
 
 
 def _as_int(value: Any, where: str) -> int:
-    import numpy as np
-
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     arr = np.asarray(value)
@@ -910,8 +805,6 @@ def _as_int(value: Any, where: str) -> int:
 
 def restore_model(model: Model, like: Any) -> Any:
     """``model`` in the structure of the model-shaped ``like`` (leaves checked, ``like`` untouched)."""
-    from pytreeio.model import optim
-
     parts = _parts(like)
     if parts is None:
         raise MismatchError(
@@ -956,27 +849,21 @@ def restore_model(model: Model, like: Any) -> Any:
 
 
 def _step_value(value: int, like: Any) -> Any:
-    import numpy as np
-
     if isinstance(like, int) and not isinstance(like, bool):
         return value
     return np.asarray(value, dtype=np.dtype(getattr(like, "dtype", np.int32)))
 
 
-# --------------------------------------------------------------------------
-# a Model as a plain Flax tree (what conversion writes where no layer list fits)
-# --------------------------------------------------------------------------
+# --- a Model as a plain Flax tree (what conversion writes where no layer list fits) ---
 
 
 def flax_names(model: Model) -> list[str | None]:
     """The Flax module name of every layer (None for a layer without arrays).
 
-    ``Dense_N``/``Conv_N``/``BatchNorm_N`` (N counting that kind) when the
-    arrays alone determine the model, i.e. every layer has arrays and all are
-    of one kind: :meth:`Model.from_flax` reads such a tree back without a
-    layer list.  Otherwise ``nn.Sequential``'s ``layers_N`` with N the layer's
-    position, activations included: each parameter layer keeps its place and
-    ``layers=[...]`` supplies the layers between them on the way back.
+    ``Dense_N``/``Conv_N``/``BatchNorm_N`` when all layers have arrays and are
+    of one kind (read back without a layer list), else ``nn.Sequential``'s
+    ``layers_N`` with N the layer's position (``layers=[...]`` supplies the
+    layers between them on the way back).
     """
     kinds = {layer.spec.flax for layer in model.layers}
     if None not in kinds and len(kinds) == 1:
@@ -1017,24 +904,6 @@ def lost_extras(model: Model, target: str) -> list[str]:
     return [f"{fmt} {key}" for fmt, items in model.extras.items() if fmt != target for key in items]
 
 
-def check_convertible(
-    model: Model, *, types: Sequence[str] | None = None, opt_kinds: Sequence[str] | None = None
-) -> list[str]:
-    """What of ``model`` a target cannot hold: layer types outside ``types``, an optimizer kind outside ``opt_kinds``."""
-    problems = []
-    if types is not None:
-        for i, layer in enumerate(model.layers):
-            if layer.type not in types:
-                problems.append(f"layer {i} ({layer.type})")
-    if (
-        model.opt_state is not None
-        and opt_kinds is not None
-        and model.opt_state.kind not in opt_kinds
-    ):
-        problems.append(f"optimizer state ({model.opt_state.kind})")
-    return problems
-
-
 def training_state(model: Model) -> list[str]:
     """The optimizer state and step counter of ``model``, described for a format that holds neither.
 
@@ -1054,10 +923,6 @@ def refuse_or_warn(problems: Sequence[str], target: str, lossy: bool, *, hint: s
 
     ``hint`` is appended to the error's reason (where the information would fit).
     """
-    import warnings
-
-    from pytreeio.core.errors import PytreeioWarning
-
     if not problems:
         return
     if not lossy:

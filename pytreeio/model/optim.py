@@ -1,71 +1,52 @@
 """optax optimizer states <-> a format-neutral :class:`OptState`.
 
 Formats keep optimizer state in their own conventions (netcl ``{"t", "moments"}``,
-cl-waffe2 ``m``/``v``/``n``, bullet ``momentum.bin``/``velocity.bin``); each maps
-to and from :class:`OptState`, and this module maps :class:`OptState` to and
-from optax.
-
-Kinds, the optax state each is read from, and its slots:
+cl-waffe2 ``m``/``v``/``n``, bullet ``momentum.bin``/``velocity.bin``) and map
+it to and from :class:`OptState`; this module maps :class:`OptState` to and
+from optax.  Kinds, the optax state each is read from, and its slots:
 
 - ``sgd``: no core state (only ``EmptyState`` parts); no slots.
-- ``momentum``: ``TraceState``; slot ``trace``.
-- ``nesterov``: ``TraceState`` too: ``sgd(momentum=m, nesterov=True)`` has
-  exactly the state of ``nesterov=False`` and ``inject_hyperparams`` keeps
-  the flag static, so the state alone reads as ``"momentum"``; pass
-  ``hyperparams={"nesterov": True}`` to :func:`extract` to get
-  ``"nesterov"``.
+- ``momentum``/``nesterov``: ``TraceState``; slot ``trace``.  Both have the
+  same state (``inject_hyperparams`` keeps the flag static), so it reads as
+  ``momentum`` unless :func:`extract` is given ``hyperparams={"nesterov": True}``.
 - ``adagrad``: ``ScaleByRssState``; slot ``sum_of_squares``.
-- ``rmsprop``: ``ScaleByRmsState``; ``ScaleByRStdDevState`` when centered
-  (slots ``mu`` and ``nu``, hyperparameter ``centered=True``); their
-  ``...WithCountState`` with ``bias_correction`` (a step count,
-  ``bias_correction=True``); ``optax.rmsprop(momentum=...)`` adds a
-  ``TraceState`` later in the same chain (slot ``trace``).  Slot ``nu``.
-- ``adam``: ``ScaleByAdamState``; slots ``mu``, ``nu``; step count.
-- ``adamw``: the same state.  ``optax.adamw`` is ``chain(scale_by_adam,
-  add_decayed_weights, scale_by_learning_rate)`` and ``add_decayed_weights``'
-  state is an ``EmptyState`` (``AddDecayedWeightsState`` is an alias of it),
-  or a ``MaskedState`` around one with ``mask=``.  So a ``ScaleByAdamState``
-  whose chain holds two more stateless (or count-only) steps after it, the
-  first of them empty or a masked empty, is ``adamw``; ``optax.adam``'s
-  single learning-rate step after it is ``adam``.  Hand-written chains are
-  read by that rule.  A ``weight_decay`` in the injected or given
-  hyperparameters of an ``adam`` structure is refused.  ``adam(nesterov=True)``
-  (NAdam) has plain Adam's state: pass ``hyperparams={"nesterov": True}`` to
-  record it.
+- ``rmsprop``: ``ScaleByRmsState``, or ``ScaleByRStdDevState`` when centered
+  (slot ``mu`` too); their ``...WithCountState`` with ``bias_correction``;
+  ``optax.rmsprop(momentum=...)`` adds a ``TraceState`` later in the same
+  chain (slot ``trace``).  Slot ``nu``.
+- ``adam``/``adamw``: ``ScaleByAdamState``; slots ``mu``, ``nu``; step count.
+  ``optax.adamw`` chains two stateless steps after it (``add_decayed_weights``:
+  an ``EmptyState``, or a ``MaskedState`` around one with ``mask=``; then the
+  learning rate), ``optax.adam`` one; hand-written chains are read by that
+  rule, and a ``weight_decay`` hyperparameter on an ``adam`` state is refused.
+  NAdam has Adam's state: pass ``hyperparams={"nesterov": True}`` to record it.
 
 ``adam``/``adamw`` and ``momentum``/``nesterov`` hold the same data, so
-:func:`rebuild` fills either state from either kind (formats such as netcl do
-not tell them apart; the update rule is the caller's optimizer's).
+:func:`rebuild` fills either state from either kind (netcl does not tell them
+apart; the update rule is the caller's optimizer's).
 
-``count`` is the step count: every step counter in the state
-(``ScaleByAdamState.count``, ``ScaleByScheduleState.count``, the ``count`` of
-``inject_hyperparams``' state and of its wrapped schedules, ``bias_correction``
-counts) must agree, and it is ``None`` when the state has none (plain
-sgd/momentum/adagrad/rmsprop without schedules).
+``count`` is the step count: every step counter in the state (the core
+state's, schedules', ``inject_hyperparams``') must agree; ``None`` when the
+state has none.
 
-The core state may sit anywhere in chains (``chain(clip_by_global_norm(1.0),
-adam(...))``), under ``inject_hyperparams`` (``InjectHyperparamsState`` and
-``InjectStatefulHyperparamsState``, numeric hyperparameters are read from it),
-with schedules (``ScaleByScheduleState``, ``WrappedScheduleState``), and
-under ``optax.masked`` (``MaskedState``: masked-out parameters have ``None``
-slots).  Stateless parts (``EmptyState``) are ignored.  Any other state with
-data (``ScaleByAmsgradState``, ``ApplyIfFiniteState``, ``MultiStepsState``, a
-second core state, ...) is a :class:`~pytreeio.core.errors.MismatchError` naming
-its type and key path: nothing is dropped silently.
+The core state may sit anywhere in chains, under ``inject_hyperparams``
+(numeric hyperparameters are read from it), with schedules, and under
+``optax.masked`` (masked-out parameters have ``None`` slots).  Stateless
+parts are ignored.  Any other state with data (``ScaleByAmsgradState``,
+``MultiStepsState``, a second core state, ...) is a
+:class:`~pytreeio.core.errors.MismatchError` naming its type and key path:
+nothing is dropped silently.
 
 Slots are lists in *parameter order*: ``order`` is a sequence of key paths
-(tuples of dict keys / sequence indices / attribute names) into the params
-tree, by default jax's leaf order of ``params``.  ``slots[name][i]`` is the
-slot leaf of parameter ``order[i]``.
-
-jax and optax are imported on first use, never at import time.
+into the params tree, by default jax's leaf order; ``slots[name][i]`` is the
+slot leaf of parameter ``order[i]``.  jax and optax are imported on first use.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -128,10 +109,8 @@ class OptState:
     slots: dict[str, list[np.ndarray | None]] = field(default_factory=dict)
 
 
-# --------------------------------------------------------------------------
-# recognising optax state types (by name, module and fields: robust to where
-# optax defines them, and never confused with a user's look-alike)
-# --------------------------------------------------------------------------
+# --- recognising optax state types: by name, module and fields (robust to where optax
+# defines them, never confused with a user's look-alike) ---
 
 # optax state type -> (kind, slot fields, whether it has a step count)
 _CORE: dict[str, tuple[str, tuple[str, ...], bool]] = {
@@ -193,9 +172,7 @@ def _leafless(node: Any) -> bool:
     return not jax.tree_util.tree_leaves(node)
 
 
-# --------------------------------------------------------------------------
-# scanning a state: the core state(s), step counts, injected hyperparameters
-# --------------------------------------------------------------------------
+# --- scanning a state: the core state(s), step counts, injected hyperparameters ---
 
 
 @dataclass
@@ -327,9 +304,7 @@ def _core_of(scan: _Scan, what: str) -> tuple[str, dict[str, tuple[Path, Any]], 
     return kind, slots, flags
 
 
-# --------------------------------------------------------------------------
-# key paths and parameter order
-# --------------------------------------------------------------------------
+# --- key paths and parameter order ---
 
 
 def _entry_key(entry: Any) -> Any:
@@ -400,35 +375,16 @@ def _resolve_order(order: Sequence[Any] | None, params: Any, what: str) -> list[
                 found=repr(key),
             ) from None
         out.append(key)
-    if len(set(out)) != len(out):
-        dup = next(p for p in out if out.count(p) > 1)
-        raise MismatchError(
-            f"{what}: order names parameter {dup!r} twice", key_path="order", found=dup
-        )
-    known = set(paths)
-    for p in out:
-        if p not in known:
-            raise MismatchError(
-                f"{what}: order names {p!r}, which is not a parameter",
-                key_path="order",
-                expected=f"{len(paths)} parameter paths",
-                found=p,
-            )
-    given = set(out)
-    for p in paths:
-        if p not in given:
-            raise MismatchError(
-                f"{what}: order lacks parameter {p!r}",
-                key_path="order",
-                expected=p,
-                found="nothing",
-            )
+    known, given = set(paths), set(out)
+    problems = [f"names parameter {p!r} twice" for i, p in enumerate(out) if p in out[:i]]
+    problems += [f"names {p!r}, which is not a parameter" for p in out if p not in known]
+    problems += [f"lacks parameter {p!r}" for p in paths if p not in given]
+    if problems:
+        raise MismatchError(f"{what}: order {problems[0]}", key_path="order")
     return out
 
 
-# --------------------------------------------------------------------------
-# extract
-# --------------------------------------------------------------------------
+# --- extract ---
 
 
 def _host(leaf: Any, path: Path, what: str) -> np.ndarray:
@@ -441,13 +397,8 @@ def _host(leaf: Any, path: Path, what: str) -> np.ndarray:
         )
     try:
         arr = np.asarray(leaf)
-    except Exception as exc:  # e.g. a ShapeDtypeStruct or a tracer: no values to read
-        raise MismatchError(
-            f"{what}: this leaf has no values to read ({type(exc).__name__})",
-            key_path=_where(path),
-            expected="a concrete array",
-            found=describe_leaf(leaf),
-        ) from None
+    except Exception:  # e.g. a ShapeDtypeStruct or a tracer: no values to read
+        arr = np.empty((), object)
     if arr.dtype == object:
         raise MismatchError(
             f"{what}: this leaf has no values to read",
@@ -471,21 +422,16 @@ def _scalar(value: Any, path: Path, what: str) -> Any:
 
 
 def _slot_list(tree: Any, path: Path, order: list[KeyPath]) -> list[np.ndarray | None]:
-    got = {}
-    comps = {}
-    for key, comp, leaf in _flat_with_paths(tree):
-        got[key] = leaf
-        comps[key] = comp
+    got = {key: (comp, leaf) for key, comp, leaf in _flat_with_paths(tree)}
     wanted = set(order)
-    for key in got:
+    for key, (comp, leaf) in got.items():
         if key not in wanted:
             raise MismatchError(
                 "the optimizer state has an entry that is not a parameter",
-                key_path=_where((*path, *comps[key])),
+                key_path=_where((*path, *comp)),
                 expected="a parameter path",
-                found=describe_leaf(got[key]),
+                found=describe_leaf(leaf),
             )
-    out: list[np.ndarray | None] = []
     for key in order:
         if key not in got:
             raise MismatchError(
@@ -494,9 +440,10 @@ def _slot_list(tree: Any, path: Path, order: list[KeyPath]) -> list[np.ndarray |
                 expected=key,
                 found="nothing",
             )
-        leaf = got[key]
-        out.append(None if _is_masked_node(leaf) else _host(leaf, (*path, *comps[key]), "extract"))
-    return out
+    return [
+        None if _is_masked_node(leaf) else _host(leaf, (*path, *comp), "extract")
+        for comp, leaf in (got[key] for key in order)
+    ]
 
 
 def _merge_hyperparams(scan: _Scan, given: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -526,7 +473,6 @@ def _merge_hyperparams(scan: _Scan, given: Mapping[str, Any] | None) -> dict[str
             value = value.item()
         if name in found:
             sv, dt, where = found[name]
-            same = False
             try:
                 same = np.asarray(value, dtype=dt)[()].item() == sv
             except (TypeError, ValueError, OverflowError):
@@ -544,8 +490,7 @@ def _merge_hyperparams(scan: _Scan, given: Mapping[str, Any] | None) -> dict[str
 
 
 def _check_counts(scan: _Scan) -> int | None:
-    count: int | None = None
-    first: Path = ()
+    seen: list[tuple[Path, int]] = []
     for path, value in scan.counts:
         v = _scalar(value, path, "extract")
         if isinstance(v, bool) or not isinstance(v, int):
@@ -555,16 +500,16 @@ def _check_counts(scan: _Scan) -> int | None:
                 expected="int",
                 found=describe_leaf(value),
             )
-        if count is None:
-            count, first = v, path
-        elif v != count:
+        if seen and v != seen[0][1]:
+            first, count = seen[0]
             raise MismatchError(
                 f"step counts disagree: {count} at {_where(first)!r}, {v} here",
                 key_path=_where(path),
                 expected=count,
                 found=v,
             )
-    return count
+        seen.append((path, v))
+    return seen[0][1] if seen else None
 
 
 def extract(
@@ -583,10 +528,9 @@ def extract(
       order: key paths into ``params`` giving the parameter order of the slot
         lists (a permutation of all parameters); default :func:`default_order`.
       hyperparams: hyperparameters the state does not show (``optax.adam(lr)``
-        keeps none; ``inject_hyperparams`` keeps the numeric ones).  Injected
-        values win; a given value that differs from the injected one (after
-        rounding to its dtype) raises :class:`MismatchError`.  ``nesterov`` is
-        consumed here: with a ``TraceState`` it makes the kind ``"nesterov"``.
+        keeps none; ``inject_hyperparams`` the numeric ones, which must agree
+        after rounding to their dtype).  ``nesterov`` is consumed: with a
+        ``TraceState`` it makes the kind ``"nesterov"``.
 
     Raises :class:`MismatchError` for states that cannot be mapped (see the
     module docstring), slot trees that do not match ``params``, disagreeing
@@ -599,67 +543,52 @@ def extract(
     hp = _merge_hyperparams(scan, hyperparams)
     count = _check_counts(scan)
 
+    def refuse(name: str, why: str, expected: Any = None) -> MismatchError:
+        return MismatchError(
+            f"hyperparameter {name!r}{why}",
+            key_path=f"hyperparams/{name}",
+            expected=expected,
+            found=hp.get(name),
+        )
+
     for name, value in flags.items():
         if name in hp and bool(hp[name]) != value:
-            raise MismatchError(
-                f"hyperparameter {name!r}={hp[name]!r} contradicts the state",
-                key_path=f"hyperparams/{name}",
-                expected=value,
-                found=hp[name],
-            )
+            raise refuse(name, f"={hp[name]!r} contradicts the state", value)
         hp[name] = value
     if kind == "rmsprop":
         for name in ("centered", "bias_correction"):
             if hp.get(name) and name not in flags:
-                raise MismatchError(
-                    f"hyperparameter {name!r} is set but the rmsprop state lacks it",
-                    key_path=f"hyperparams/{name}",
-                    expected=False,
-                    found=hp[name],
-                )
+                raise refuse(name, " is set but the rmsprop state lacks it", False)
         if hp.get("momentum") is not None and "trace" not in trees:
-            raise MismatchError(
-                "hyperparameter 'momentum' is set but the rmsprop state has no TraceState",
-                key_path="hyperparams/momentum",
-                expected=None,
-                found=hp["momentum"],
-            )
+            raise refuse("momentum", " is set but the rmsprop state has no TraceState")
     if kind == "momentum":
         if hp.pop("nesterov", False):
             kind = "nesterov"
     elif kind == "sgd":
         if hp.get("momentum") is not None or hp.get("nesterov"):
-            raise MismatchError(
-                "hyperparameters give momentum, but the state has no TraceState (plain sgd)",
-                key_path="hyperparams/momentum",
-                expected=None,
-                found=hp.get("momentum", hp.get("nesterov")),
-            )
+            raise refuse("momentum", " is set but the state has no TraceState (plain sgd)")
         hp.pop("nesterov", None)
         hp.pop("momentum", None)
     if kind == "adam" and "weight_decay" in hp:
-        raise MismatchError(
-            "hyperparameters give weight_decay, but the state has no decoupled weight decay "
-            "step after ScaleByAdamState (optax.adamw)",
-            key_path="hyperparams/weight_decay",
-            expected=None,
-            found=hp["weight_decay"],
+        raise refuse(
+            "weight_decay",
+            " is set but the state has no decoupled weight decay step after ScaleByAdamState "
+            "(optax.adamw)",
         )
 
     slots = {name: _slot_list(tree, path, keys) for name, (path, tree) in trees.items()}
     return OptState(kind=kind, hyperparams=hp, count=count, slots=slots)
 
 
-# --------------------------------------------------------------------------
-# rebuild
-# --------------------------------------------------------------------------
+# --- rebuild ---
 
 
 def _hyper_value(value: Any, like: Any, path: Path) -> Any:
     """A hyperparameter into ``like``'s leaf, rounded to its dtype as inject_hyperparams does."""
-    if isinstance(like, bool) or not (is_array_leaf(like) or isinstance(like, int | float)):
+    scalar = is_array_leaf(like) and tuple(like.shape) == ()
+    if isinstance(like, bool) or not (scalar or isinstance(like, int | float)):
         raise MismatchError(
-            "`like` holds no array for this hyperparameter",
+            "`like` holds no scalar for this hyperparameter",
             key_path=_where(path),
             expected="a 0-d array or ShapeDtypeStruct",
             found=describe_leaf(like),
@@ -673,32 +602,23 @@ def _hyper_value(value: Any, like: Any, path: Path) -> Any:
             expected=describe_leaf(like),
             found=type(value).__name__,
         )
-    if not is_array_leaf(like):
-        return restore(value, like, path=path)
+    if not scalar or np.dtype(like.dtype).kind != "f":
+        return restore(value, like, path=path)  # ints: exact values only
     dtype = np.dtype(like.dtype)
-    if tuple(like.shape) != ():
+    try:
+        with np.errstate(over="ignore"):
+            arr = np.asarray(value, dtype=dtype)
+        overflow = bool(np.isinf(arr)) and not np.isinf(value)
+    except (OverflowError, ValueError, TypeError):
+        overflow = True
+    if overflow:
         raise MismatchError(
-            "`like` holds a non-scalar array for this hyperparameter",
+            f"hyperparameter {value!r} overflows {dtype}",
             key_path=_where(path),
-            expected="a scalar",
-            found=describe_leaf(like),
+            expected=describe_leaf(like),
+            found=value,
         )
-    if dtype.kind == "f":
-        try:
-            with np.errstate(over="ignore"):
-                arr = np.asarray(value, dtype=dtype)
-            overflow = bool(np.isinf(arr)) and not np.isinf(value)
-        except (OverflowError, ValueError, TypeError):
-            overflow = True
-        if overflow:
-            raise MismatchError(
-                f"hyperparameter {value!r} overflows {dtype}",
-                key_path=_where(path),
-                expected=describe_leaf(like),
-                found=value,
-            )
-        return restore(arr, like, path=path)
-    return restore(value, like, path=path)  # ints: exact values only
+    return restore(arr, like, path=path)
 
 
 class _Filler:
@@ -805,59 +725,49 @@ class _Filler:
             if _is_count_only(node):
                 return node._replace(count=self.count(node.count, (*path, "count")))
             return node  # stateless (checked by _scan before filling)
-        if isinstance(node, tuple | list):
-            return type(node)(self.fill(c, (*path, ("[", i))) for i, c in enumerate(node))
-        raise MismatchError(  # unreachable after _scan; kept for safety
-            "not an optax state", key_path=_where(path), found=type(node).__name__
-        )
+        assert isinstance(node, tuple | list)  # anything else fails _scan first
+        return type(node)(self.fill(c, (*path, ("[", i))) for i, c in enumerate(node))
 
 
 def _like_mapping(like: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
     """``values`` as the mapping type of ``like`` (a plain dict where that type cannot be built)."""
-    if type(like) is dict:
-        return values
-    cls: Any = type(like)
     try:
-        return cls(values)
+        return type(like)(values)  # type: ignore[call-arg]
     except Exception:
         return values
 
 
 def _check_opt(opt: Any) -> OptState:
-    if not isinstance(opt, OptState):
+    if not isinstance(opt, OptState) or opt.kind not in KINDS:
         raise MismatchError(
-            "rebuild takes an OptState", key_path="", expected="OptState", found=type(opt).__name__
+            "rebuild takes an OptState of a known kind",
+            key_path="kind",
+            expected=KINDS,
+            found=getattr(opt, "kind", type(opt).__name__),
         )
-    if opt.kind not in KINDS:
-        raise MismatchError(
-            f"unknown optimizer kind {opt.kind!r}", key_path="kind", expected=KINDS, found=opt.kind
-        )
-    if not isinstance(opt.hyperparams, Mapping):
-        raise MismatchError(
-            "hyperparams must be a mapping",
-            key_path="hyperparams",
-            found=type(opt.hyperparams).__name__,
-        )
-    if opt.count is not None and (
-        isinstance(opt.count, bool | np.bool_) or not isinstance(opt.count, int | np.integer)
+    count, slots = opt.count, opt.slots
+    for name, want, bad in (
+        ("hyperparams", "a mapping", not isinstance(opt.hyperparams, Mapping)),
+        (
+            "count",
+            "an int or None",
+            count is not None
+            and (isinstance(count, bool | np.bool_) or not isinstance(count, int | np.integer)),
+        ),
+        (
+            "slots",
+            "a mapping of lists of arrays",
+            not isinstance(slots, Mapping)
+            or any(
+                isinstance(v, str | bytes) or not isinstance(v, Sequence) for v in slots.values()
+            ),
+        ),
     ):
-        raise MismatchError(
-            "count must be an int or None", key_path="count", found=type(opt.count).__name__
-        )
-    if not isinstance(opt.slots, Mapping):
-        raise MismatchError(
-            "slots must be a mapping of lists", key_path="slots", found=type(opt.slots).__name__
-        )
-    for name, values in opt.slots.items():
-        if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+        if bad:
             raise MismatchError(
-                f"slot {name!r} must be a list of arrays",
-                key_path=f"slots/{name}",
-                found=type(values).__name__,
+                f"{name} must be {want}", key_path=name, found=type(getattr(opt, name)).__name__
             )
-    if opt.count is not None and not isinstance(opt.count, int):
-        opt = OptState(opt.kind, dict(opt.hyperparams), int(opt.count), dict(opt.slots))
-    return opt
+    return opt if count is None else replace(opt, count=int(count))
 
 
 # kinds whose optax states hold the same data (the update rule is `like`'s to choose)
@@ -878,22 +788,15 @@ def rebuild(
       params_like: the parameters (or their ``eval_shape``); only key paths used.
       order: as in :func:`extract`, for the slot lists of ``opt``.
 
-    Every step count in ``like`` (``ScaleByAdamState.count``,
-    ``ScaleByScheduleState.count``, ``inject_hyperparams``' count and schedule
-    counts) is set to ``opt.count``; injected hyperparameters are set from
-    ``opt.hyperparams`` (each must be there; values are rounded to the state's
-    dtype exactly as ``inject_hyperparams`` rounds them).  Slot arrays must
-    match ``like``'s shape and dtype exactly (nothing is cast).
-
-    The state's layout must be ``opt.kind``'s; ``adam`` and ``adamw`` have one
-    layout, as have ``momentum`` and ``nesterov`` (formats such as netcl do not
-    tell them apart), so either fills the other: the update rule is ``like``'s.
+    Every step count in ``like`` is set to ``opt.count``; injected
+    hyperparameters are set from ``opt.hyperparams`` (each must be there;
+    rounded to the state's dtype as ``inject_hyperparams`` rounds them).  Slot
+    arrays must match ``like``'s shape and dtype exactly (nothing is cast).
 
     Raises :class:`MismatchError` naming the key path for everything ``opt``
-    cannot fill or ``like`` cannot hold: another layout (adam vs momentum vs
-    adagrad ...), missing or
-    extra slots, masked entries that differ, a step count on one side only,
-    state parts pytreeio does not map, and leaves that are not arrays.
+    cannot fill or ``like`` cannot hold: another layout, missing or extra
+    slots, masked entries that differ, a step count on one side only, state
+    parts pytreeio does not map, and leaves that are not arrays.
     """
     opt = _check_opt(opt)
     scan = _Scan()
@@ -951,36 +854,21 @@ def rebuild(
     return _Filler(opt, keys).fill(like, ())
 
 
-# --------------------------------------------------------------------------
-# build
-# --------------------------------------------------------------------------
+# --- build ---
 
-_FACTORY = {
-    "sgd": "sgd",
-    "momentum": "sgd",
-    "nesterov": "sgd",
-    "adagrad": "adagrad",
-    "rmsprop": "rmsprop",
-    "adam": "adam",
-    "adamw": "adamw",
-}
+_FACTORY = {"momentum": "sgd", "nesterov": "sgd"}  # the others: the optax function of that name
 _STATIC = ("mask", "mu_dtype", "accumulator_dtype")
 
 
 def build(kind: str, hyperparams: Mapping[str, Any] | None = None) -> Any:
     """The stock optax optimizer of ``kind`` with ``hyperparams``, under ``inject_hyperparams``.
 
-    ``sgd`` -> ``optax.sgd(lr)``; ``momentum``/``nesterov`` -> ``optax.sgd(lr,
-    momentum, nesterov=...)``; ``adagrad``, ``rmsprop``, ``adam``, ``adamw`` ->
-    the optax function of that name.  Hyperparameter names are the optax
-    argument names; what is not given takes optax's default, and
-    ``learning_rate`` (and ``momentum`` for momentum/nesterov) is required.
-    The optimizer is wrapped in ``optax.inject_hyperparams`` so its numeric
-    hyperparameters live in its state (as arrays of the params' dtype) and
-    :func:`extract` reads them back; flags (``nesterov``, ``centered``, ...)
-    are static.  Its updates equal the unwrapped optax optimizer's up to the
-    rounding of hyperparameters to the params' dtype (bit for bit where the
-    hyperparameters are exact in that dtype).
+    ``momentum``/``nesterov`` are ``optax.sgd(lr, momentum, nesterov=...)``, the
+    others the optax function of that name, taking its argument names
+    (``learning_rate``, and ``momentum`` for momentum/nesterov, are required).
+    ``inject_hyperparams`` keeps the numeric hyperparameters in the state (as
+    arrays of the params' dtype, so :func:`extract` reads them back; flags are
+    static): updates equal the unwrapped optimizer's up to that rounding.
 
     Raises :class:`MismatchError` for an unknown kind, an unknown or missing
     hyperparameter, or one that contradicts the kind (momentum for ``sgd``).
@@ -991,7 +879,7 @@ def build(kind: str, hyperparams: Mapping[str, Any] | None = None) -> Any:
         raise MismatchError(
             f"unknown optimizer kind {kind!r}", key_path="kind", expected=KINDS, found=kind
         )
-    factory: Callable[..., Any] = getattr(optax, _FACTORY[kind])
+    factory: Callable[..., Any] = getattr(optax, _FACTORY.get(kind, kind))
     params = inspect.signature(factory).parameters
     if hyperparams is not None and not isinstance(hyperparams, Mapping):
         raise MismatchError(
@@ -999,6 +887,15 @@ def build(kind: str, hyperparams: Mapping[str, Any] | None = None) -> Any:
             key_path="hyperparams",
             found=type(hyperparams).__name__,
         )
+
+    def missing(name: str) -> MismatchError:
+        return MismatchError(
+            f"{kind}: missing hyperparameter {name!r}",
+            key_path=f"hyperparams/{name}",
+            expected="a number",
+            found="nothing",
+        )
+
     hp: dict[str, Any] = {}
     for name, value in (hyperparams or {}).items():
         if not isinstance(name, str) or name not in params:
@@ -1024,12 +921,7 @@ def build(kind: str, hyperparams: Mapping[str, Any] | None = None) -> Any:
             hp.pop("momentum", None)
         else:
             if hp.get("momentum") is None:
-                raise MismatchError(
-                    f"{kind}: missing hyperparameter 'momentum'",
-                    key_path="hyperparams/momentum",
-                    expected="a number",
-                    found="nothing",
-                )
+                raise missing("momentum")
             if nesterov is not None and bool(nesterov) != (kind == "nesterov"):
                 raise MismatchError(
                     f"{kind}: nesterov={nesterov!r} contradicts the kind",
@@ -1044,19 +936,12 @@ def build(kind: str, hyperparams: Mapping[str, Any] | None = None) -> Any:
             and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
             and name not in hp
         ):
-            raise MismatchError(
-                f"{kind}: missing hyperparameter {name!r}",
-                key_path=f"hyperparams/{name}",
-                expected="a number",
-                found="nothing",
-            )
+            raise missing(name)
     static = [n for n, v in hp.items() if n in _STATIC or isinstance(v, bool)]
     return optax.inject_hyperparams(factory, static_args=static)(**hp)
 
 
-# --------------------------------------------------------------------------
-# describe
-# --------------------------------------------------------------------------
+# --- describe ---
 
 
 def describe(opt_state: Any, _depth: int = 0) -> str:
@@ -1101,9 +986,7 @@ def _count_leaves(tree: Any) -> int | str:
         return "?"
 
 
-# --------------------------------------------------------------------------
-# JSON helpers shared by formats that keep optimizer state as JSON numbers
-# --------------------------------------------------------------------------
+# --- JSON helpers shared by formats that keep optimizer state as JSON numbers ---
 
 
 def nested_to_array(value: Any, shape: Sequence[int], where: str) -> np.ndarray:

@@ -1,0 +1,1 @@
+"""DataCode ``.nn`` model files (:mod:`.nn`) and their training records (:mod:`.training`)."""

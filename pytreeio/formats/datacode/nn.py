@@ -46,15 +46,12 @@ naming the native layers whose bias the file stores as ``[1, out]``.  The
 writer consumes that key (it is not written into the JSON), so saving a
 loaded native tree with its meta reproduces the file byte for byte.
 
-Validation (stricter than DataCode, which ignores trailing bytes and never
-compares tensors with the architecture): magic, version, UTF-8, JSON syntax
-(no duplicate keys, NaN literals, out-of-range numbers or lone surrogates;
-nesting at most 128), layer types and feature counts (consecutive Linear
-layers must chain), tensor names and indices, the tensor count, every shape,
-duplicates, trailing bytes.  Errors are :class:`FormatError` with the file,
-the field (tensor name or JSON path) and the byte offset (JSON field errors
-point at the document's first byte).  Every length is checked against the
-bytes that remain before anything is read or allocated.
+Validation is stricter than DataCode's (which ignores trailing bytes and
+never compares tensors with the architecture): magic, version, UTF-8, strict
+JSON (nesting at most 128), layer types and chained feature counts, tensor
+names, indices, count and shapes, duplicates, trailing bytes; every length
+is checked before it is used.  Errors name the file, the field (tensor name
+or JSON path; JSON fields point at the document's first byte) and the offset.
 """
 
 from __future__ import annotations
@@ -69,8 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from pytreeio import jsonsafe
-from pytreeio.core import serde_json
+from pytreeio.core import jsonsafe, serde_json
 from pytreeio.core.binary import BufferSource, ByteSource, Slot, Slots, Streamed, Writer
 from pytreeio.core.errors import (
     ConversionError,
@@ -149,7 +145,7 @@ def _serde_problem(value: Any) -> str | None:
 
 
 def _parse_json(raw: memoryview, *, path: str | None, field: str, offset: int) -> Any:
-    """The JSON document in ``raw`` (file offset ``offset``): :func:`pytreeio.jsonsafe.loads`
+    """The JSON document in ``raw`` (file offset ``offset``): :func:`pytreeio.core.jsonsafe.loads`
     (UTF-8, syntax, no duplicate keys or NaN, nesting at most 128) plus serde_json's limits."""
     value = jsonsafe.loads(raw, path=path, field=field, offset=offset, max_depth=_JSON_DEPTH)
     problem = _serde_problem(value)
@@ -787,21 +783,14 @@ def _resolve_variant(variant: str | None, meta: Any) -> str:
 def encode(
     tree: Any, *, meta: Mapping[str, Any] | None = None, variant: str | None = None
 ) -> Encoded:
-    """A ``.nn`` file of a native tree; float32 arrays are referenced, not copied.
+    """A ``.nn`` file of a native tree (float32 arrays referenced, not copied).
 
-    Args:
-      tree: ``{'layer<p>': {'weight': (in, out), 'bias': (out,) or (1, out)}}``,
-        ``p`` the position among all layers.
-      meta: the DataCode document (``layers``, ``device``, ``training``), as
-        :func:`decode` returns it; its layer entries may also be spelt as
-        :func:`pytreeio.model.form.entry_parts` accepts (``"ReLU"``,
-        ``{"type": "Linear"}``), missing fields are filled from the arrays,
-        a missing ``device`` is ``"cpu"`` and a missing ``training`` the
-        untrained one.  Without ``layers``, a tree ``layer0 .. layer<n-1>``
-        is n Linear layers.
-      variant: ``"seed"`` or ``"later"``; default: the one recorded in
-        ``meta`` by a load, else ``"seed"``.  Layer names that are the other
-        variant's canonical ones are renamed.
+    ``meta``: the document as :func:`decode` returns it; layer entries may be
+    spelt as :func:`pytreeio.model.form.entry_parts` accepts, missing fields
+    come from the arrays, ``device`` defaults to ``"cpu"`` and ``training`` to
+    the untrained one; without ``layers`` the tree is all Linear layers.
+    ``variant``: default the one ``meta`` records, else ``"seed"`` (the other
+    variant's canonical layer names are renamed).
     """
     chosen = _resolve_variant(variant, meta)
     doc, bias_2d = _document(tree, meta, chosen)
@@ -851,13 +840,8 @@ def _tensor(name: str, arr: Any) -> tuple[bytes, Any]:
 
 
 def to_model(native: Any, meta: Mapping[str, Any]) -> Model:
-    """The common :class:`Model` of a native tree and its document (no optimizer state: DataCode keeps none).
-
-    What the document holds beyond the layers (a training record with
-    stages or histories, a device other than ``cpu``, layer names other than
-    DataCode's own, other keys) is kept in ``model.extras['datacode']``:
-    converting into another format refuses it unless ``lossy``.
-    """
+    """The common :class:`Model` of a native tree and its document; what the document holds
+    beyond the layers goes to ``model.extras['datacode']`` (refused elsewhere unless ``lossy``)."""
     if not isinstance(meta, Mapping):
         raise MismatchError("meta must be the DataCode document", key_path="meta")
     doc = {k: v for k, v in meta.items() if k != FILE_KEY}

@@ -9,13 +9,11 @@
                {"t": int, "moments": [[m, v], ...]}, SGD {"velocity": [...]},
                arrays as nested lists of numbers (float32 widened to float64: exact)
 
-  The two files are one linked set: :mod:`pytreeio.io` writes them under one
-  lock and journal, so a reader sees the complete old or the complete new
-  pair.  Native tree: ``{'params': {name: array}, 'optim_state': {...},
-  'config': {...}}``, the moments as arrays (the parameter's dtype when the
-  JSON numbers are exact in it, else float64).  ``t``/``moments`` are optax
-  Adam's ``count``/``mu``,``nu``; ``velocity`` is sgd-momentum's ``trace``
-  (netcl's SGD accumulates ``g + momentum * v`` exactly like optax's trace).
+  The pair is written under one lock and journal (readers see the old or the
+  new pair).  Native tree: ``{'params': {name: array}, 'optim_state': {...},
+  'config': {...}}``, moments as arrays (the parameter's dtype when exact,
+  else float64); ``t``/``moments`` are optax Adam's ``count``/``mu``,``nu``,
+  ``velocity`` sgd-momentum's ``trace``.
 
 ``netcl-params`` - ``save_params``: the bare ``.npz`` at ``<p>`` (or
 ``<p>.npz``).  Restoring into a list reports a missing name as
@@ -38,9 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from pytreeio import jsonsafe
 from pytreeio.containers import npy
-from pytreeio.core import dtypes
+from pytreeio.core import dtypes, jsonsafe
 from pytreeio.core.binary import ByteSource, Slots, as_memoryview
 from pytreeio.core.errors import (
     ConversionError,
@@ -263,13 +260,7 @@ def _check_t(t: Any) -> int:
 
 def _slot_list(values: Any, params: list[Any], field: str) -> list[np.ndarray]:
     """Each JSON nested list shaped like its parameter: in the parameter's dtype when its
-    numbers are exact in it, else float64.
-
-    A training state has a moment per parameter: their exactness in the
-    parameters' float dtypes is checked in one pass over all of them (a few
-    numpy calls in all instead of several per moment); a group with an inexact
-    number is checked moment by moment.
-    """
+    numbers are exact in it, else float64 (exactness checked for all moments at once)."""
     if not isinstance(values, list) or len(values) != len(params):
         raise FormatError(f"{field} must be a list of {len(params)} entries", field=field)
     from pytreeio.model.optim import nested_to_array
@@ -436,12 +427,8 @@ def _max_values(nbytes: int) -> int:
 
 
 def _sidecar(raw: Any, name: str) -> dict[str, Any]:
-    """The JSON sidecar: its number rows (the moments) as float64 arrays, its config as JSON's.
-
-    Moments are most of the document; parsed into Python floats they cost
-    ~40 bytes a number (a 64 MB Adam state took 21 s and 1.8 GB peak RSS to
-    load), as arrays 8 (see :func:`pytreeio.jsonsafe.loads_rows`).
-    """
+    """The JSON sidecar: its number rows (the moments) as float64 arrays (8 bytes a number, not a
+    Python float's ~40), its config as JSON's."""
     doc, rows = jsonsafe.loads_rows(raw, path=name, field="json", max_values=_max_values(len(raw)))
     if not isinstance(doc, dict):
         raise FormatError("the sidecar must be a JSON object", path=name, field="json")

@@ -37,10 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from pytreeio import jsonsafe
 from pytreeio.containers import npy
 from pytreeio.containers import zip as zipfmt
-from pytreeio.core import dtypes
+from pytreeio.core import dtypes, jsonsafe
 from pytreeio.core.binary import ByteSource, Slot, Slots, as_memoryview
 from pytreeio.core.errors import FormatError, MismatchError
 from pytreeio.core.records import STRUCTURE, Decoded, Encoded, Entry, Format, Info, Probe, Siblings

@@ -1,31 +1,28 @@
 """cl-waffe2's state-dict conventions as pure functions: keys, NTH, type specifiers, ``~F``.
 
-Everything here mirrors a piece of cl-waffe2 (commit ``e83ab237``) or of the
-Lisp it runs on (SBCL, x86-64), so that :mod:`pytreeio.formats.waffe2.state_dict` writes what
-cl-waffe2 writes, byte for byte:
+Each mirrors a piece of cl-waffe2 (commit ``e83ab237``) or of SBCL x86-64, so
+that the format writes what cl-waffe2 writes, byte for byte:
 
 * **Keys** (``make-tensor-saved-name``): ``{prefix}:{part}.{part}...``, every
-  part printed with ``~(~a~)`` (lower case).  Prefixes ``param``,
-  ``missing_param`` (3 parts: composite, nth, slot) and ``optimizer``,
-  ``missing_optimizer`` (6 parts: composite, nth, slot, optimizer, type,
-  optimizer slot).  :func:`parse_state_dict_key` splits like cl-waffe2's
-  ``parse-state-dict-key``: ``cl-ppcre:split`` on ``:`` must give exactly a
-  known prefix and one rest, which is split on ``.`` (``cl-ppcre:split`` drops
-  trailing empty strings, so ``param:a.0.b:`` parses as ``param:a.0.b``).
-* **NTH** (``make-state-dict-table``): one counter per (composite, slot)
-  pair, from 0, in parameter order - not the layer index (:func:`assign_nth`).
-* **Type specifiers**: ``(type-of value)`` lower-cased, as SBCL returns it
-  (:func:`type_of`): ``single-float``, ``double-float``; integers ``bit``
-  (0, 1), ``(integer 0 4611686018427387903)`` (2 .. most-positive-fixnum),
-  ``fixnum`` (negative fixnums), ``(integer 4611686018427387904)`` and
-  ``(integer * -4611686018427387905)`` (bignums); a tensor's class name
-  (``cputensor``).
-* **Numbers** in ``parameters.json``: floats with ``(format nil "~f" x)``:
-  fixed notation, never an exponent, the shortest digits that read back as
-  the same float of the value's Lisp type (:func:`format_lisp_float`);
-  integers plainly.
-* **JSON strings** as the ``jonathan`` library writes them: only newline,
-  return, tab, ``"`` and ``\\`` are escaped (:func:`jonathan_string`).
+  part printed with ``~(~a~)`` (lower case).  ``param``/``missing_param``
+  take 3 parts (composite, nth, slot), ``optimizer``/``missing_optimizer`` 6
+  (composite, nth, slot, optimizer, type, optimizer slot).
+  :func:`parse_state_dict_key` splits as ``parse-state-dict-key`` does:
+  ``cl-ppcre:split`` on ``:`` must give a known prefix and one rest, split on
+  ``.``; ``cl-ppcre:split`` drops trailing empty strings (``param:a.0.b:``
+  parses as ``param:a.0.b``).
+* **NTH** (``make-state-dict-table``): one counter per (composite, slot), from
+  0, in parameter order - not the layer index (:func:`assign_nth`).
+* **Type specifiers**: ``(type-of value)`` lower-cased (:func:`type_of`):
+  ``single-float``, ``double-float``; integers ``bit`` (0, 1),
+  ``(integer 0 4611686018427387903)`` (2 .. most-positive-fixnum), ``fixnum``
+  (negative fixnums), ``(integer 4611686018427387904)`` and
+  ``(integer * -4611686018427387905)`` (bignums); a tensor's class name.
+* **Numbers**: floats as ``(format nil "~f" x)``: fixed notation, the
+  shortest digits that read back as the same float of its Lisp type
+  (:func:`format_lisp_float`); integers plainly.
+* **JSON strings** as ``jonathan`` writes them: only newline, return, tab,
+  ``"`` and ``\\`` escaped (:func:`jonathan_string`).
 """
 
 from __future__ import annotations
@@ -40,26 +37,6 @@ import numpy as np
 
 from pytreeio.core.errors import EncodeError, FormatError
 
-__all__ = [
-    "PREFIXES",
-    "PARAM_PREFIXES",
-    "OPTIMIZER_PREFIXES",
-    "MOST_POSITIVE_FIXNUM",
-    "MOST_NEGATIVE_FIXNUM",
-    "StateDictKey",
-    "TypeSpec",
-    "parse_state_dict_key",
-    "make_key",
-    "param_key",
-    "optimizer_key",
-    "assign_nth",
-    "type_of",
-    "integer_type",
-    "parse_type_specifier",
-    "format_lisp_float",
-    "jonathan_string",
-]
-
 PARAM_PREFIXES = ("param", "missing_param")
 OPTIMIZER_PREFIXES = ("optimizer", "missing_optimizer")
 PREFIXES = PARAM_PREFIXES + OPTIMIZER_PREFIXES
@@ -72,56 +49,38 @@ _PARTS = {"param": 3, "missing_param": 3, "optimizer": 6, "missing_optimizer": 6
 _PART_NAMES = ("composite", "nth", "slot", "optimizer", "type", "optslot")
 
 
-class StateDictKey(NamedTuple):
-    """A parsed state-dict key: its prefix as spelled in the key, and the parts after it."""
-
+class _Key(NamedTuple):
     prefix: str
     parts: tuple[str, ...]
+
+
+class StateDictKey(_Key):
+    """A parsed state-dict key: its prefix as spelled, and the parts after it."""
 
     @property
     def keyword(self) -> str:
         """The keyword ``parse-state-dict-key`` returns, e.g. ``:MISSING-PARAM``."""
         return ":" + self.prefix.replace("_", "-", 1).upper()
 
-    @property
-    def is_param(self) -> bool:
-        return self.prefix in PARAM_PREFIXES
+    is_param = property(lambda self: self.prefix in PARAM_PREFIXES)
+    composite = property(lambda self: self.parts[0])
+    nth = property(lambda self: self.parts[1])
+    slot = property(lambda self: self.parts[2])
+    optimizer = property(lambda self: None if self.is_param else self.parts[3])
+    type = property(lambda self: None if self.is_param else self.parts[4])
+    optslot = property(lambda self: None if self.is_param else self.parts[5])
 
     @property
-    def composite(self) -> str:
-        return self.parts[0]
-
-    @property
-    def nth(self) -> str:
-        return self.parts[1]
-
-    @property
-    def slot(self) -> str:
-        return self.parts[2]
-
-    @property
-    def optimizer(self) -> str | None:
-        return None if self.is_param else self.parts[3]
-
-    @property
-    def type(self) -> str | None:
-        return None if self.is_param else self.parts[4]
-
-    @property
-    def optslot(self) -> str | None:
-        return None if self.is_param else self.parts[5]
+    def ident(self) -> tuple[str, ...]:
+        """What the key names, without its ``{type}``: two spellings of one entry are equal."""
+        return (self.prefix, *self.parts[:4], *self.parts[5:])
 
     def __str__(self) -> str:
         return f"{self.prefix}:{'.'.join(self.parts)}"
 
 
-# --------------------------------------------------------------------------
-# parsing and building keys
-# --------------------------------------------------------------------------
-
-
 def _ppcre_split(text: str, sep: str) -> list[str]:
-    """``(cl-ppcre:split sep text)``: like ``str.split``, minus trailing empty strings."""
+    """``(cl-ppcre:split sep text)``: ``str.split`` minus trailing empty strings."""
     parts = text.split(sep)
     while parts and parts[-1] == "":
         parts.pop()
@@ -129,39 +88,33 @@ def _ppcre_split(text: str, sep: str) -> list[str]:
 
 
 def parse_state_dict_key(key: str) -> StateDictKey:
-    """Split a state-dict key exactly as cl-waffe2's ``parse-state-dict-key`` does.
+    """Split a state-dict key as cl-waffe2's ``parse-state-dict-key`` does.
 
-    Returns the prefix and the parts as strings (3 for ``param``/
-    ``missing_param``, 6 for ``optimizer``/``missing_optimizer``).  Raises
-    :class:`FormatError` (``field`` = the key) for a key without ``:``, with
-    several, with an unknown prefix, or with the wrong number of parts
-    (cl-waffe2 itself binds missing parts to NIL and ignores extra ones).
+    Raises :class:`FormatError` (``field`` = the key) for a key without exactly
+    one ``:``, an unknown prefix, or the wrong number of parts (cl-waffe2
+    binds missing parts to NIL and ignores extra ones).
     """
     if not isinstance(key, str):
         raise FormatError(f"a state-dict key must be a string, not {type(key).__name__}")
     shown = key if len(key) <= 200 else key[:200] + "..."  # messages stay small
     pieces = _ppcre_split(key, ":")
     if len(pieces) != 2:
-        if ":" not in key:
-            what = "no ':'"
-        elif len(pieces) < 2:
-            what = "nothing after its ':'"
-        else:
-            what = f"{key.count(':')} ':'"
+        what = "no ':'" if ":" not in key else f"{key.count(':')} ':'"
+        what = "nothing after its ':'" if ":" in key and len(pieces) < 2 else what
         raise FormatError(
             f"state-dict key {shown!r} has {what}; expected exactly one, as "
             "{prefix}:{composite}.{nth}.{slot}[...]",
             field=shown,
         )
     prefix, rest = pieces
-    if prefix not in _PARTS:
+    parts = tuple(_ppcre_split(rest, "."))
+    want = _PARTS.get(prefix)
+    if want is None:
         raise FormatError(
             f"state-dict key {shown!r} has unknown prefix {prefix[:200]!r}; "
             f"known: {', '.join(PREFIXES)}",
             field=shown,
         )
-    parts = tuple(_ppcre_split(rest, "."))
-    want = _PARTS[prefix]
     if len(parts) != want:
         layout = ".".join("{" + n + "}" for n in _PART_NAMES[:want])
         raise FormatError(
@@ -172,18 +125,14 @@ def parse_state_dict_key(key: str) -> StateDictKey:
     return StateDictKey(prefix, parts)
 
 
-#: Characters a key part cannot hold (they separate prefix, parts and path components).
 _NOT_IN_PART = re.compile(r"[.:/\x00]")
 
 
 def _lisp_name(part: Any, what: str) -> str:
     """A key part as ``~(~a~)`` prints it, refused when it would not parse back."""
-    if type(part) is str:  # the common case first: this runs for every part of every key
-        text = part.lower()
-    elif isinstance(part, bool) or not isinstance(part, str | int | np.integer):
+    if isinstance(part, bool) or not isinstance(part, str | int | np.integer):
         raise EncodeError(f"{what} must be a string or an integer, not {type(part).__name__}")
-    else:
-        text = str(int(part)) if not isinstance(part, str) else part.lower()
+    text = part.lower() if isinstance(part, str) else str(int(part))
     if not text or _NOT_IN_PART.search(text) is not None:
         raise EncodeError(
             f"{what} {part!r} cannot be a key part (empty, or holds '.', ':', '/' or NUL)"
@@ -201,31 +150,21 @@ def make_key(prefix: str, *parts: Any) -> str:
     return f"{prefix}:{'.'.join(names)}"
 
 
-def param_key(composite: Any, nth: int | str, slot: Any, *, missing: bool = False) -> str:
+def param_key(*parts: Any, missing: bool = False) -> str:
     """``param:{composite}.{nth}.{slot}`` (``missing_param:`` with ``missing``)."""
-    return make_key("missing_param" if missing else "param", composite, nth, slot)
+    return make_key("missing_param" if missing else "param", *parts)
 
 
-def optimizer_key(
-    composite: Any,
-    nth: int | str,
-    slot: Any,
-    optimizer: Any,
-    type_spec: str,
-    optslot: Any,
-    *,
-    missing: bool = False,
-) -> str:
+def optimizer_key(*parts: Any, missing: bool = False) -> str:
     """``optimizer:{composite}.{nth}.{slot}.{optimizer}.{type}.{optslot}`` (or ``missing_optimizer:``)."""
-    prefix = "missing_optimizer" if missing else "optimizer"
-    return make_key(prefix, composite, nth, slot, optimizer, type_spec, optslot)
+    return make_key("missing_optimizer" if missing else "optimizer", *parts)
 
 
 def assign_nth(pairs: Iterable[tuple[str, str]]) -> list[int]:
     """The NTH of each ``(composite, slot)`` in parameter order: one counter per pair, from 0.
 
-    A Linear(bias) -> Linear(no bias) -> Linear(bias) model gives weights
-    0, 1, 2 but biases 0 and 1 (the second belongs to the third layer).
+    Linear(bias) -> Linear(no bias) -> Linear(bias) gives weights 0, 1, 2 but
+    biases 0 and 1 (the second belongs to the third layer).
     """
     counts: dict[tuple[str, str], int] = {}
     out = []
@@ -236,14 +175,9 @@ def assign_nth(pairs: Iterable[tuple[str, str]]) -> list[int]:
     return out
 
 
-# --------------------------------------------------------------------------
-# type specifiers
-# --------------------------------------------------------------------------
-
 #: The largest integer a float can hold (a JSON integer beyond it is no float's value).
 _LARGEST_FLOAT_INT = int(sys.float_info.max)
 _INTEGER_FORM = re.compile(r"\A\(integer (\*|-?[0-9]+)(?: (\*|-?[0-9]+))?\)\Z")
-_FLOATS = ("single-float", "double-float")
 
 
 class TypeSpec(NamedTuple):
@@ -259,11 +193,11 @@ class TypeSpec(NamedTuple):
 
     def admits(self, value: Any) -> bool:
         """Whether a JSON number ``value`` is of this type (integers within bounds)."""
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
         if self.kind == "float":
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                return False
             return not isinstance(value, int) or abs(value) <= _LARGEST_FLOAT_INT
-        if self.kind != "integer" or isinstance(value, bool) or not isinstance(value, int):
+        if self.kind != "integer" or not isinstance(value, int):
             return False
         return (self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi)
 
@@ -286,9 +220,8 @@ def type_of(
 ) -> str:
     """The ``{type}`` part cl-waffe2 would write for ``value``.
 
-    Integers as SBCL's ``type-of``; ``np.float32`` is ``single-float`` and
-    ``np.float64`` ``double-float``; a Python float is ``float_type`` (Lisp
-    code that reads ``1e-3`` gets a single-float); arrays are ``tensor_class``.
+    ``np.float32`` is ``single-float``, ``np.float64`` ``double-float``; a
+    Python float is ``float_type`` (Lisp reads ``1e-3`` as a single-float).
     """
     if isinstance(value, bool | np.bool_):
         raise EncodeError(f"cl-waffe2 has no type for the boolean {value!r}")
@@ -308,7 +241,7 @@ def type_of(
 
 def parse_type_specifier(text: str) -> TypeSpec:
     """The meaning of a ``{type}`` part: a float type, an integer range, or a tensor class."""
-    if text in _FLOATS:
+    if text in ("single-float", "double-float"):
         return TypeSpec("float", text)
     if text == "bit":
         return TypeSpec("integer", text, 0, 1)
@@ -329,20 +262,13 @@ def parse_type_specifier(text: str) -> TypeSpec:
     return TypeSpec("tensor", text)
 
 
-# --------------------------------------------------------------------------
-# numbers and strings as cl-waffe2 writes them
-# --------------------------------------------------------------------------
-
-
 def format_lisp_float(x: float, *, double: bool = False) -> str:
-    """``(format nil "~f" x)`` for a single-float (or with ``double``, a double-float) ``x``.
+    """``(format nil "~f" x)`` for a single-float (with ``double``, a double-float) ``x``.
 
-    Fixed notation, never an exponent, with the shortest digits that read back
-    as the same float of that precision: ``0.01``, ``0.0000001``, ``1.0``,
-    ``-0.0``, ``10000000000.0``.  ``x`` is first rounded to that precision.
-    Raises ``ValueError`` for NaN and infinities (Lisp prints them as
-    unreadable objects, never as JSON numbers) and for doubles that overflow
-    a single-float.
+    Fixed notation with the shortest digits that read back as the same float
+    of that precision: ``0.01``, ``0.0000001``, ``1.0``, ``-0.0``.  Raises
+    ``ValueError`` for NaN and infinities (Lisp prints them unreadably, never
+    as JSON numbers) and for doubles that overflow a single-float.
     """
     if not math.isfinite(float(x)):
         raise ValueError(f"{x!r} has no ~F form that JSON can hold")
@@ -350,8 +276,8 @@ def format_lisp_float(x: float, *, double: bool = False) -> str:
         v = np.float64(x) if double else np.float32(x)
     if not np.isfinite(v):
         raise ValueError(f"{x!r} overflows a single-float")
-    # numpy's Dragon4 in unique mode yields the shortest round-tripping digits,
-    # as SBCL's flonum-to-digits does; trim='0' keeps the ".0" that ~F prints.
+    # Dragon4 in unique mode gives the shortest round-tripping digits, as SBCL's
+    # flonum-to-digits does; trim='0' keeps the ".0" that ~F prints.
     return np.format_float_positional(v, unique=True, trim="0")
 
 

@@ -1,0 +1,44 @@
+"""The registry: built-in formats imported one at a time, in an order no call can change."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytreeio as ptio
+from pytreeio.formats import registry
+
+
+def test_the_builtin_table_names_each_formats_module_and_suffixes() -> None:
+    for name, fmt in ptio.formats().items():
+        if name in registry.BUILTIN:
+            module, suffixes = registry.BUILTIN[name]
+            assert fmt.encode.__module__.startswith(module.rsplit(".", 1)[0]), name
+            assert fmt.suffixes == suffixes, name
+
+
+def _child(code: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    return out.stdout.strip()
+
+
+def test_a_named_format_or_suffix_imports_that_format_alone(tmp_path: object) -> None:
+    got = _child(
+        "import sys, numpy as np, pytreeio as ptio\n"
+        f"ptio.save({str(tmp_path)!r} + '/a.msgpack', {{'a': np.ones(2)}})\n"
+        f"ptio.load({str(tmp_path)!r} + '/a.msgpack', format='msgpack')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('pytreeio.formats.')))"
+    )
+    assert got == "['pytreeio.formats.msgpack', 'pytreeio.formats.registry']"
+
+
+def test_sniffing_order_does_not_depend_on_what_was_used_first() -> None:
+    first = _child("import pytreeio as ptio; print(list(ptio.formats()))")
+    after_bullet = _child(
+        "import pytreeio as ptio\n"
+        "from pytreeio.formats import registry; registry.get('bullet'); registry.get('msgpack')\n"
+        "print(list(ptio.formats()))"
+    )
+    assert first == after_bullet == str(list(registry.BUILTIN))
