@@ -1,34 +1,13 @@
-"""Sharded ``jax.Array``\\ s: saved shard by shard, loaded device by device, written by many processes.
+"""Saves in parts: one checkpoint file written by every process of a job (:func:`save_in_parts`).
 
-**Saving.**  A ``jax.Array`` leaf partitioned over several devices is never
-gathered (no ``np.asarray`` of the global array, no device-side gather): the
-safetensors and msgpack encoders take it as a :class:`ShardedLeaf`, a
-:class:`~pytreeio.core.binary.Streamed` leaf whose bytes come from its shards,
-and emit :class:`ShardChunk`\\ s, :class:`~pytreeio.core.binary.Deferred` chunks
-that io produces one at a time.  The array is cut into *bands* of rows
-(along axis 0) at the shards' boundaries and at most :data:`BAND_BYTES` each:
-a band that lies inside one shard (sharding along the leading axis) is that
-shard's own host buffer, written as it is; other bands are assembled from the
-shards they cross in a buffer of the band's size.  Replicated shards are
-written once (replica 0).  Every shard of an array is copied to host
-(``copy_to_host_async`` for all, then each waited for) when its first band is
-written and released after its last, so host memory peaks at about one array.
+Sharded arrays as leaves (saved shard by shard, loaded device by device) are
+:mod:`pytreeio.core.shards`; this module adds the protocol between processes.
 
-**Loading.**  ``pytreeio.load(path, like=...)`` with ``like`` leaves that carry
-a sharding over several devices (``jax.ShapeDtypeStruct(shape, dtype,
-sharding=...)`` or jax arrays) reads each distinct device slice straight from
-the file with the format's ``slots`` (:func:`read_region`): a C-order slice is
-a set of contiguous byte runs, each ``pread`` into the host buffer that goes
-to the device; runs shorter than a page are read in windows (the kernel reads
-whole pages anyway).  Replicas of a slice are read once.  The array is built
-with ``jax.make_array_from_single_device_arrays``; in a multi-process job each
-process reads only the slices of its own devices.
-
-**Several processes** (:func:`save_in_parts`).  Every process encodes the tree
+Every process encodes the tree
 with its sharded leaves as placeholders, which fixes the whole file's layout
 from the global shapes alone; the processes check that their layouts agree.
 The primary process (index 0) then creates the temporary file at its full
-size under the destination's lock (:func:`pytreeio.io.file_in_parts`); each
+size under the lock on the destination's directory (:func:`pytreeio.io.file_in_parts`); each
 process ``pwrite``\\ s the byte ranges of the shards it holds (replica 0 only)
 and the primary everything else; after a barrier the primary reads back the
 sharded data to finish checksums recorded in a header (safetensors), writes
