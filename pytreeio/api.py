@@ -1,10 +1,8 @@
 """The public functions: save, load, inspect, verify, convert, encode, decode.
 
-This module only dispatches: it picks a format (by name, suffix or sniffing
-the probes :mod:`pytreeio.io` builds), routes each option to the format
-function that declares it, sends model-shaped trees through the common model
-form (:mod:`pytreeio.model.form`), and hands bytes to :mod:`pytreeio.io`.  It knows
-nothing about any particular format.
+Each is a thin call into the engine (:mod:`pytreeio.engine.dispatch`: choosing
+a format, routing options, the common model form, restoring into ``like``) and
+:mod:`pytreeio.io` (the files).  It knows nothing about any particular format.
 """
 
 from __future__ import annotations

@@ -47,10 +47,9 @@ its Adam step is grouped ``(m^/(sqrt(v^)+eps)) * -lr``.  The squared norm
 is summed by XLA (pairwise) where DataCode sums sequentially, so for a
 tensor being clipped the factor can differ in its last bits.
 
-:func:`optim_state` maps a stage to :mod:`pytreeio.model.optim`'s vocabulary
-(kind + optax hyperparameter names: the nearest stock optax optimizer, equal
-in exact arithmetic), and :func:`stage_record` / :func:`with_stage` write a
-stage into a document after training in JAX.
+:mod:`pytreeio.formats.datacode.training` maps a stage to
+:mod:`pytreeio.model.optim`'s vocabulary and writes stages into a document after
+training in JAX.
 
 jax and optax are imported when an optimizer is built, never at import.
 """
