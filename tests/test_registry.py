@@ -42,3 +42,16 @@ def test_sniffing_order_does_not_depend_on_what_was_used_first() -> None:
         "print(list(ptio.formats()))"
     )
     assert first == after_bullet == str(list(registry.BUILTIN))
+
+
+def test_a_builtin_replaced_under_another_name_is_chosen_by_its_suffix() -> None:
+    waffe2 = registry.get("waffe2")
+    registry.unregister("waffe2")
+    try:
+        assert registry.for_suffix("a.wf2model") is None
+        mine = registry.register(waffe2._replace(name="my-waffe2"))
+        assert registry.for_suffix("a.wf2model") is mine
+    finally:
+        registry.unregister("my-waffe2")
+        registry.register(waffe2)
+    assert registry.for_suffix("a.wf2model") is waffe2

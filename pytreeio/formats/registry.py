@@ -108,7 +108,9 @@ def get(name: str | Format, *, path: str | os.PathLike[str] | None = None) -> Fo
 def for_suffix(path: str | os.PathLike[str]) -> Format | None:
     """The single format whose suffix ends ``path``, or None (unknown or ambiguous)."""
     name = os.fspath(path).lower()
-    suffixes = {n: sfx for n, (_, sfx) in BUILTIN.items()}
+    # a built-in's suffixes from the table until its module is imported; then from what is
+    # registered (so an unregistered or renamed built-in no longer claims them)
+    suffixes = {n: sfx for n, (module, sfx) in BUILTIN.items() if module not in sys.modules}
     suffixes.update((f.name, f.suffixes) for f in _REGISTRY.values())
     hits = {
         n: max(len(s) for s in sfx if name.endswith(s))

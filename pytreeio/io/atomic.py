@@ -419,11 +419,13 @@ def write_file_atomic(
 def file_in_parts(path: str | os.PathLike[str], size: int, durable: bool = True) -> Iterator[Path]:
     """A temporary of ``size`` bytes for a single-file checkpoint that several writers fill.
 
-    Yields the temporary's path (next to the destination, under the destination's lock, after
-    recovering from dead saves as every save does); writers open it and ``pwrite`` their ranges
-    (:func:`pytreeio.multihost.save_in_parts`).  When the block exits normally the file is
-    fsync'd (``durable``) and renamed over ``path``; when it raises the temporary is removed
-    and the old checkpoint stays.
+    Yields the temporary's path (next to the destination, under the lock on the destination's
+    directory, after recovering from dead saves as every save does); writers open it and
+    ``pwrite`` their ranges (:func:`pytreeio.multihost.save_in_parts`).  When the block exits
+    normally the file is fsync'd (``durable``) and renamed over ``path``; when it raises the
+    temporary is removed and the old checkpoint stays.  The block holds that lock: a save or
+    load of a sibling set or directory in the same directory, on the same thread, inside
+    the block would wait for it forever.
     """
     dest = resolve(Path(path))
     _check_dest(dest, directory=False)

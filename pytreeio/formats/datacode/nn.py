@@ -921,7 +921,7 @@ def _drop_training_state(model: Model, lossy: bool) -> None:
     if not lossy:
         raise ConversionError(
             f"DataCode files hold no {' or '.join(dropped)} (only a stage's hyperparameters, "
-            "see pytreeio.model.rules.datacode.stage_record); pass lossy=True to drop it",
+            "see pytreeio.formats.datacode.training.stage_record); pass lossy=True to drop it",
             what=dropped,
         )
     warnings.warn(f"DataCode: dropping {', '.join(dropped)}", PytreeioWarning, stacklevel=4)

@@ -34,7 +34,7 @@ operation as DataCode does, op by op and under ``jax.jit`` alike.
 Every optimizer is wrapped in ``optax.inject_hyperparams`` with DataCode's
 own parameter names (``lr``, ``beta``, ``gamma``, ``epsilon``, ``beta1``,
 ``beta2``, ``weight_decay``), so the state carries them and
-:func:`stage_record` reads them back.  They are float32 arrays: ``1 - beta``
+:func:`pytreeio.formats.datacode.training.stage_record` reads them back.  They are float32 arrays: ``1 - beta``
 is then computed in f32 as DataCode does (a Python float would make it an
 f64 difference rounded once more).
 
