@@ -227,19 +227,28 @@ def _encode_as_is(
                 PytreeioWarning,
                 stacklevel=4,
             )
+    # a native tree of its own format that does not match is the source's fault, not the target's
+    refused = EncodeError if source is target else (EncodeError, MismatchError)
+    return _encode_or_refuse(source, target, native, out_meta, save_opts, dest, lossy, refused)
+
+
+def _encode_or_refuse(
+    source: Format,
+    target: Format,
+    tree: Any,
+    meta: Mapping[str, Any] | None,
+    save_opts: Mapping[str, Any],
+    dest: Any,
+    lossy: bool,
+    refused: type[Exception] | tuple[type[Exception], ...] = EncodeError,
+) -> Encoded:
+    """The target's encoding of ``tree``; what it cannot hold is a :class:`ConversionError`."""
     try:
-        return encode_tree(target, native, out_meta, save_opts, dest, lossy=lossy)
-    except EncodeError as exc:
+        return encode_tree(target, tree, meta, save_opts, dest, lossy=lossy)
+    except refused as exc:
         raise ConversionError(
             f"format {target.name!r} cannot hold this {source.name} checkpoint: {exc}",
-            what=[exc.key_path or ""],
-        ) from exc
-    except MismatchError as exc:
-        if source is target:
-            raise
-        raise ConversionError(
-            f"format {target.name!r} cannot hold this {source.name} checkpoint: {exc}",
-            what=[exc.key_path or ""],
+            what=[getattr(exc, "key_path", None) or ""],
         ) from exc
 
 
@@ -285,14 +294,7 @@ def convert_decoded(
         return _encode_as_is(source, target, tree, {}, out_meta, explicit, save_opts, dest, lossy)
     if target.is_model_format and model_mod.is_model_like(native):
         # a Flax tree: through the common form (``layers=`` gives what the tree lacks)
-
-        try:
-            return encode_tree(target, native, meta_out, save_opts, dest, lossy=lossy)
-        except EncodeError as exc:
-            raise ConversionError(
-                f"format {target.name!r} cannot hold this {source.name} checkpoint: {exc}",
-                what=[exc.key_path or ""],
-            ) from exc
+        return _encode_or_refuse(source, target, native, meta_out, save_opts, dest, lossy)
     return _encode_as_is(
         source, target, native, src_meta, meta_out, explicit, save_opts, dest, lossy
     )

@@ -580,6 +580,17 @@ def _document(header: _Header, key: str, max_depth: int, total: int) -> Any:
     )
 
 
+def _check_layout_version(header: _Header) -> None:
+    version = header.metadata.get(_VERSION_KEY)
+    if version != FORMAT_VERSION:
+        raise FormatError(
+            f"unsupported pytreeio layout version {version!r:.40}",
+            path=header.source,
+            field=_VERSION_KEY,
+            offset=8,
+        )
+
+
 def _user_meta(header: _Header, total: int) -> dict[str, Any]:
     if _META_KEY not in header.metadata:
         return {}
@@ -816,10 +827,7 @@ def decode(buffer: Any, *, verify: bool = False) -> Decoded:
     md = header.metadata
     if _TREE_KEY not in md:
         return Decoded(arrays, dict(md))
-    if md.get(_VERSION_KEY) != FORMAT_VERSION:
-        raise r.error(
-            f"unsupported pytreeio layout version {md.get(_VERSION_KEY)!r:.40}", _VERSION_KEY, 8
-        )
+    _check_layout_version(header)
     meta = _user_meta(header, total)
     rebuilder = _Rebuilder(arrays, r)
     tree = rebuilder.build(header, total)
@@ -883,10 +891,7 @@ def slots(source: ByteSource, *, verify: bool = False) -> Slots:
     md = header.metadata
     if _TREE_KEY not in md:
         return Slots(found, dict(md))
-    if md.get(_VERSION_KEY) != FORMAT_VERSION:
-        raise r.error(
-            f"unsupported pytreeio layout version {md.get(_VERSION_KEY)!r:.40}", _VERSION_KEY, 8
-        )
+    _check_layout_version(header)
     meta = _user_meta(header, source.size)
     rebuilder = _SlotRebuilder(found, r)  # type: ignore[arg-type]  # slots, not arrays
     tree = rebuilder.build(header, source.size)
