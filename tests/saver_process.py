@@ -26,6 +26,10 @@ class SaverProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", script, *args],
             stdout=subprocess.PIPE,
+            # unbuffered: a buffered reader's readline can pull the next lines into its
+            # buffer, where neither select() nor communicate() (which reads the raw fd)
+            # sees them, and a kill's verdict would miss a "start" the child did print
+            bufsize=0,
             env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})),
             cwd=str(REPO),
         )
