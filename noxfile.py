@@ -1,4 +1,4 @@
-"""Developer sessions: tests, lint, typecheck, bench."""
+"""Developer sessions: tests, lint, typecheck, docs, bench."""
 
 from __future__ import annotations
 
@@ -30,6 +30,18 @@ def typecheck(session: nox.Session) -> None:
     """mypy over the package."""
     session.install("-e", ".[test]", "mypy>=1.10")
     session.run("mypy", "pytreeio")
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """The documentation site (MkDocs Material + mkdocstrings), built strictly into ``site/``:
+    a broken link, a missing page or an API name that does not resolve fails the build.
+    ``nox -s docs -- serve`` serves it locally instead."""
+    session.install("-e", ".[docs]")
+    if session.posargs[:1] == ["serve"]:
+        session.run("mkdocs", "serve", *session.posargs[1:])
+    else:
+        session.run("mkdocs", "build", "--strict", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -4,30 +4,31 @@
 >>> ptio.save("ckpt.msgpack", {"params": params, "opt_state": opt_state})
 >>> state = ptio.load("ckpt.msgpack", like={"params": params, "opt_state": opt_state})
 
+The path (and the tree, for saves) is positional; everything else is keyword-only.
 ``import pytreeio`` imports numpy and msgpack only; jax, flax and optax are
 imported by the operations that need them.
 """
 
 from pytreeio.api import (
     convert,
-    convert_buffer,
+    convert_encoded,
     decode,
+    decode_with_meta,
     encode,
-    formats,
     inspect,
-    inspect_buffer,
+    inspect_encoded,
+    list_formats,
     load,
     load_with_meta,
     save,
     verify,
 )
+from pytreeio.async_save import SaveFuture, save_async, wait_saves
 from pytreeio.core.errors import (
     ConversionError,
     EncodeError,
     FormatError,
     MismatchError,
-    NetclMissingParamError,
-    NetclShapeMismatchError,
     PytreeioError,
     PytreeioWarning,
     QuantisationError,
@@ -46,10 +47,13 @@ from pytreeio.core.records import (
 )
 from pytreeio.core.tree import flatten, unflatten
 from pytreeio.formats.registry import register
+from pytreeio.io import ChangedWhileOpen
+from pytreeio.lazy import Checkpoint, open
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # files
     "save",
     "save_async",
     "wait_saves",
@@ -59,15 +63,16 @@ __all__ = [
     "open",
     "Checkpoint",
     "inspect",
-    "inspect_buffer",
+    "verify",
     "convert",
-    "convert_buffer",
+    # the same in memory
     "encode",
     "decode",
-    "verify",
-    "formats",
-    "flatten",
-    "unflatten",
+    "decode_with_meta",
+    "inspect_encoded",
+    "convert_encoded",
+    # formats
+    "list_formats",
     "register",
     "Format",
     "Encoded",
@@ -78,6 +83,10 @@ __all__ = [
     "FILE",
     "DIRECTORY",
     "Siblings",
+    # trees
+    "flatten",
+    "unflatten",
+    # errors
     "PytreeioError",
     "FormatError",
     "MismatchError",
@@ -85,24 +94,7 @@ __all__ = [
     "UnknownFormatError",
     "EncodeError",
     "ConversionError",
+    "ChangedWhileOpen",
     "PytreeioWarning",
-    "NetclMissingParamError",
-    "NetclShapeMismatchError",
     "__version__",
 ]
-
-# save_async and friends, and the lazy views, load their modules on first use.
-_ASYNC = frozenset({"save_async", "wait_saves", "SaveFuture"})
-_LAZY = frozenset({"open", "Checkpoint"})
-
-
-def __getattr__(name: str) -> object:
-    if name in _ASYNC:
-        from pytreeio import async_save
-
-        return getattr(async_save, name)
-    if name in _LAZY:
-        from pytreeio import lazy
-
-        return getattr(lazy, name)
-    raise AttributeError(f"module 'pytreeio' has no attribute {name!r}")

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from pytreeio import io
 from pytreeio.core import records
 from pytreeio.core.binary import BufferSource
+from pytreeio.core.calls import keywords_explained
 from pytreeio.core.errors import (
     FormatError,
 )
@@ -27,21 +28,23 @@ __all__ = [
     "load",
     "load_with_meta",
     "inspect",
-    "inspect_buffer",
     "verify",
     "convert",
-    "convert_buffer",
     "encode",
     "decode",
-    "formats",
+    "decode_with_meta",
+    "inspect_encoded",
+    "convert_encoded",
+    "list_formats",
 ]
 
 PathLike = str | os.PathLike[str]
 T = TypeVar("T")
 
 
-def formats() -> dict[str, Format]:
-    """All registered formats, by name."""
+def list_formats() -> dict[str, Format]:
+    """Every format pytreeio knows, by name: the built-in ones, those given to
+    :func:`register`, and installed plug-ins (entry-point group ``pytreeio.formats``)."""
     return registry.formats()
 
 
@@ -50,46 +53,84 @@ def formats() -> dict[str, Format]:
 # --------------------------------------------------------------------------
 
 
+@keywords_explained
 def encode(
     tree: Any,
-    format: str | Format,
     *,
+    format: str | Format,
     meta: Mapping[str, Any] | None = None,
     dest: PathLike | None = None,
     **options: Any,
 ) -> Encoded:
-    """Encode ``tree`` in ``format`` without touching the file system.
+    """:func:`save` without the file system: ``tree`` encoded in ``format``.
 
-    ``dest`` is the path the bytes are meant for, for formats that record it
-    (cl-waffe2 writes it into ``parameters.json``); nothing is written there.
+    Same tree, ``meta`` and options as :func:`save`.  ``dest`` is the path the
+    bytes are meant for, for formats that record it (cl-waffe2 writes it into
+    ``parameters.json``); nothing is written there.  ``Encoded.files`` holds the
+    bytes: one buffer for a single-file format, role/relative path -> buffer
+    for sibling and directory formats.
     """
     return dispatch.encode_tree(registry.get(format), tree, meta, options, dest)
 
 
+@keywords_explained
 def decode(
-    data: Any, format: str | Format, *, like: Any = None, partial: bool = False, **options: Any
+    data: Any,
+    *,
+    format: str | Format,
+    like: Any = None,
+    partial: bool = False,
+    verify: bool = False,
+    **options: Any,
 ) -> Any:
-    """Decode an :class:`Encoded` or a buffer (a mapping of them for multi-file formats).
+    """:func:`load` without the file system: the tree an encoding holds.
 
-    Returns the native tree, or the tree restored into ``like``'s structure
-    (``partial=True``: ``like`` may name only some of the entries, as for :func:`load`).
+    ``data`` is an :class:`Encoded`, a buffer (``bytes``, ``memoryview``, a
+    numpy array) for a single-file format, or a mapping role/relative path ->
+    buffer for sibling and directory formats, as :func:`encode` returns them.
+    ``like``, ``partial``, ``verify`` and the options are those of :func:`load`.
     """
+    return decode_with_meta(
+        data, format=format, like=like, partial=partial, verify=verify, **options
+    )[0]
+
+
+@keywords_explained
+def decode_with_meta(
+    data: Any,
+    *,
+    format: str | Format,
+    like: Any = None,
+    partial: bool = False,
+    verify: bool = False,
+    **options: Any,
+) -> tuple[Any, dict[str, Any]]:
+    """:func:`decode`, and the meta document of the encoding (as :func:`load_with_meta`)."""
     from pytreeio.core.tree import partial_restore
 
+    _check_partial(partial, like)
     fmt = registry.get(format)
+    if verify and "verify" in fmt.load_options:
+        options = {**options, "verify": True}
     fmt.check_options(options, "load")
     native, meta = dispatch.call(fmt.decode, fmt, options, dispatch.as_source(data))
     if like is None:
-        return native
+        return native, meta
     with partial_restore(partial):
-        return dispatch.restore_tree(fmt, native, meta, like, options)
+        return dispatch.restore_tree(fmt, native, meta, like, options), meta
 
 
+def _check_partial(partial: bool, like: Any) -> None:
+    if partial and like is None:
+        raise TypeError("partial=True restores the entries `like` names: pass like=")
+
+
+@keywords_explained
 def save(
     path: PathLike,
     tree: Any,
-    format: str | Format | None = None,
     *,
+    format: str | Format | None = None,
     meta: Mapping[str, Any] | None = None,
     durable: bool = True,
     **options: Any,
@@ -114,10 +155,11 @@ def save(
     dispatch.save_tree(path, fmt, tree, meta, options, durable=durable)
 
 
+@keywords_explained
 def load(
     path: PathLike,
-    like: Any = None,
     *,
+    like: Any = None,
     format: str | Format | None = None,
     mmap: bool = False,
     verify: bool = False,
@@ -156,10 +198,30 @@ def load(
         or with ``verify`` a checksum does not match (names the tensor or file).
       MismatchError: the file and ``like`` disagree (names the key path).
     """
+    return load_with_meta(
+        path, like=like, format=format, mmap=mmap, verify=verify, partial=partial, **options
+    )[0]
+
+
+@keywords_explained
+def load_with_meta(
+    path: PathLike,
+    *,
+    like: Any = None,
+    format: str | Format | None = None,
+    mmap: bool = False,
+    verify: bool = False,
+    partial: bool = False,
+    **options: Any,
+) -> tuple[Any, dict[str, Any]]:
+    """:func:`load`, and the checkpoint's meta document: ``(tree, meta)``.
+
+    The meta is the format's non-tensor information (what :func:`save` took
+    as ``meta``, and what the format reads from its files).
+    """
     from pytreeio.core.tree import partial_restore
 
-    if partial and like is None:
-        raise TypeError("partial=True restores the entries `like` names: pass like=")
+    _check_partial(partial, like)
     if partial and not verify:
         from pytreeio.lazy import load_partial
 
@@ -175,9 +237,9 @@ def load(
     else:
         fmt, native, meta = dispatch.decode_path(path, format, mmap, options)
     if like is None:
-        return native
+        return native, meta
     with dispatch.errors_located(path), partial_restore(partial):
-        return dispatch.restore_tree(fmt, native, meta, like, options)
+        return dispatch.restore_tree(fmt, native, meta, like, options), meta
 
 
 def _sharded(like: Any) -> bool:
@@ -189,15 +251,8 @@ def _sharded(like: Any) -> bool:
     return wants_slices(like)
 
 
-def load_with_meta(
-    path: PathLike, *, format: str | Format | None = None, mmap: bool = False, **options: Any
-) -> tuple[Any, dict[str, Any]]:
-    """The native tree and the meta document of a checkpoint."""
-    _, native, meta = dispatch.decode_path(path, format, mmap, options)
-    return native, meta
-
-
-def inspect(path: PathLike, format: str | Format | None = None) -> Info:
+@keywords_explained
+def inspect(path: PathLike, *, format: str | Format | None = None) -> Info:
     """What a checkpoint holds (entries, shapes, dtypes, meta), reading headers only."""
     fmt = dispatch.format_for_load(path, format)
 
@@ -213,8 +268,9 @@ def inspect(path: PathLike, format: str | Format | None = None) -> Info:
     return Info(format=info.format, entries=info.entries, meta=info.meta, path=os.fspath(path))
 
 
-def inspect_buffer(data: Any, format: str | Format) -> Info:
-    """:func:`inspect` for an in-memory single-file encoding."""
+@keywords_explained
+def inspect_encoded(data: Any, *, format: str | Format) -> Info:
+    """:func:`inspect` without the file system (``data`` as for :func:`decode`)."""
     fmt = registry.get(format)
     source = dispatch.as_source(data)
     if isinstance(source, Mapping):
@@ -222,6 +278,7 @@ def inspect_buffer(data: Any, format: str | Format) -> Info:
     return fmt.inspect(BufferSource(source))
 
 
+@keywords_explained
 def convert(
     src: PathLike,
     dst: PathLike,
@@ -242,8 +299,8 @@ def convert(
     source's native tree and meta go as they are, with the source format's
     name under the meta key ``"pytreeio.format"``, so the file converts
     onward as the source would; into msgpack the model's Flax variables go.
-    The rules are in :mod:`pytreeio.engine.conversion`; :func:`convert_buffer` is the
-    same conversion on buffers.
+    The rules are in :mod:`pytreeio.engine.conversion`; :func:`convert_encoded` is the
+    same conversion on encodings in memory.
 
     The source's meta is carried over unless ``meta`` is given.  Each option
     goes to the source's load functions and/or the target's save functions
@@ -288,7 +345,8 @@ def convert(
     dispatch.deliver_deferred(encoded)
 
 
-def convert_buffer(
+@keywords_explained
+def convert_encoded(
     data: Any,
     *,
     from_: str | Format,
@@ -345,7 +403,8 @@ def _decode_verified(
     return result
 
 
-def verify(path: PathLike, format: str | Format | None = None, **options: Any) -> Info:
+@keywords_explained
+def verify(path: PathLike, *, format: str | Format | None = None, **options: Any) -> Info:
     """Decode a whole checkpoint (every byte checked) and return its :class:`Info`.
 
     ``options`` are the format's load options.  Checksums are checked: the

@@ -47,6 +47,7 @@ import numpy as np
 from pytreeio import io
 from pytreeio.core import shards
 from pytreeio.core.binary import Deferred, as_memoryview
+from pytreeio.core.calls import keywords_explained
 from pytreeio.core.records import Encoded, Format
 from pytreeio.core.threads import new_pool, pool
 
@@ -129,7 +130,7 @@ def wait_for(path: PathLike) -> None:
         _wait([pending])
 
 
-def wait_saves(timeout: float | None = None) -> None:
+def wait_saves(*, timeout: float | None = None) -> None:
     """Wait for every pending :func:`save_async`; raise the first failure nobody has seen.
 
     Raises ``TimeoutError`` if saves are still running after ``timeout`` seconds.
@@ -298,11 +299,12 @@ def _write(
                 _unsettled.discard(future)
 
 
+@keywords_explained
 def save_async(
     path: PathLike,
     tree: Any,
-    format: str | Format | None = None,
     *,
+    format: str | Format | None = None,
     meta: Mapping[str, Any] | None = None,
     durable: bool = True,
     max_pending_bytes: int | None = None,

@@ -231,7 +231,7 @@ def _options_line(fmt: Format, direction: str) -> str:
 
 
 def _cmd_formats(args: argparse.Namespace) -> int:
-    fmts = api.formats()
+    fmts = api.list_formats()
     if args.json:
         doc = {
             n: {
@@ -658,9 +658,24 @@ def _warnings_as_lines(quiet: bool) -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (argparse usage errors exit with 2)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    # The parser lists the formats, which warns of a plug-in that cannot be used: such warnings
+    # wait until --quiet is known, then show as the command's own do (once each).
+    with warnings.catch_warnings(record=True) as early:
+        warnings.simplefilter("always", PytreeioWarning)
+        parser = build_parser()
+
+    def show_early() -> None:
+        for w in early:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit:  # --help, --version, a usage error
+        with _warnings_as_lines(False):
+            show_early()
+        raise
     with _warnings_as_lines(args.quiet):
+        show_early()
         try:
             return int(args.func(args))
         except BrokenPipeError:  # output piped into `head` and friends

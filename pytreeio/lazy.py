@@ -32,6 +32,7 @@ from typing import Any
 from pytreeio import io
 from pytreeio.core import shards
 from pytreeio.core.binary import Slot
+from pytreeio.core.calls import keywords_explained
 from pytreeio.core.errors import FormatError, MismatchError
 from pytreeio.core.records import Format, Info
 from pytreeio.core.tree import (
@@ -244,7 +245,7 @@ class Checkpoint(Mapping[str, Any]):
     def __contains__(self, key: object) -> bool:
         return key in self._entries()
 
-    def load(self, like: Any = None, *, prefix: str | None = None, partial: bool = True) -> Any:
+    def load(self, *, like: Any = None, prefix: str | None = None, partial: bool = True) -> Any:
         """The native subtree under ``prefix`` (all of it by default), read now.
 
         With ``like`` the subtree is restored into ``like``'s structure (as
@@ -351,8 +352,9 @@ def _missing(key: str, entries: Mapping[str, Any]) -> str:
     return f"no entry {key!r} in the checkpoint ({len(entries)} entries{hint})"
 
 
+@keywords_explained
 def open(
-    path: PathLike, format: str | Format | None = None, *, verify: bool = False, **options: Any
+    path: PathLike, *, format: str | Format | None = None, verify: bool = False, **options: Any
 ) -> Checkpoint:
     """A lazy view of the checkpoint at ``path`` (use as a context manager).
 
@@ -397,18 +399,19 @@ def load_partial(
     format: str | Format | None = None,
     mmap: bool = False,
     options: Mapping[str, Any],
-) -> Any:
-    """``load(path, like, partial=True)``: the entries ``like`` names, reading only those where possible."""
+) -> tuple[Any, dict[str, Any]]:
+    """``load_with_meta(path, like=like, partial=True)``: the entries ``like`` names, and the
+    meta, reading only those entries where possible."""
     fmt = dispatch.format_for_load(path, format)
     if fmt.slots is not None:
         with Checkpoint(path, fmt, options) as ck:
             if not ck._needs_model(like):
-                return ck.load(like, partial=True)
+                return ck.load(like=like, partial=True), ck.meta
     # model-shaped `like` (through to_model) or no slots: decode mapped, restore the subtree
     _, native, meta = dispatch.decode_path(path, fmt, True, options)
     with dispatch.errors_located(path), partial_restore(True):
         result = dispatch.restore_tree(fmt, native, meta, like, options)
-    return result if mmap else map_leaves(_owned, result)
+    return (result if mmap else map_leaves(_owned, result)), meta
 
 
 def _owned(leaf: Any) -> Any:
@@ -420,13 +423,16 @@ def _owned(leaf: Any) -> Any:
     return leaf
 
 
-def load_sliced(path: str | os.PathLike[str], like: Any, *, format: Any, options: Any) -> Any:
-    """``load(path, like)`` for a ``like`` with sharded leaves: each device's slice read on its
-    own through the format's slots; None when the format has none (or ``like`` is model-shaped)."""
+def load_sliced(
+    path: str | os.PathLike[str], like: Any, *, format: Any, options: Any
+) -> tuple[Any, dict[str, Any]] | None:
+    """``load_with_meta(path, like=like)`` for a ``like`` with sharded leaves: each device's slice
+    read on its own through the format's slots; None when the format has none (or ``like`` is
+    model-shaped)."""
     fmt = dispatch.format_for_load(path, format)
     if fmt.slots is None:
         return None
     with Checkpoint(path, fmt, options) as ck:
         if ck._needs_model(like):
             return None
-        return ck.load(like, partial=False)
+        return ck.load(like=like, partial=False), ck.meta

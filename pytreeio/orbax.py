@@ -329,7 +329,7 @@ class PytreeioHandler(ocp.AsyncCheckpointHandler):
             )
         path, fmt = _locate(Path(directory), args.format)
         return api.load(
-            path, args.like, format=fmt, mmap=args.mmap, verify=args.verify, **args.options
+            path, like=args.like, format=fmt, mmap=args.mmap, verify=args.verify, **args.options
         )
 
     def metadata(self, directory: Any) -> Info:

@@ -21,7 +21,7 @@ stages of the public functions (see :func:`_run_one`):
 * ``decode`` (with the seed's load options, see :class:`Seed`) and
   ``restore`` into a ``like`` tree built from the seed's own decoding -- the
   two halves of ``pytreeio.decode(data, fmt, like=like)``;
-* ``inspect`` (``pytreeio.api.inspect_buffer``);
+* ``inspect`` (``pytreeio.api.inspect_encoded``);
 * ``slots`` -- what ``ptio.open`` and streaming conversions rest on: the
   format's ``slots`` and every slot read, which must give ``decode``'s tree bit
   for bit where ``decode`` accepted the input (see :func:`_slots`);
@@ -1644,7 +1644,7 @@ def _run_one(
     ``decode`` and ``restore`` are ``pytreeio.decode(data, fmt, like=like, **options)``
     split in two (the API's own option routing, source conversion and restore,
     so load(like=) is covered without decoding twice); ``inspect`` is
-    ``pytreeio.api.inspect_buffer``; ``verify`` is :func:`_verify`; ``to_model``
+    ``pytreeio.api.inspect_encoded``; ``verify`` is :func:`_verify`; ``to_model``
     restores into the seed's model as flax variables (``load(like=flax tree)``:
     the format's ``to_model`` then :func:`pytreeio.model.form.restore_model`) for
     model formats, else calls ``to_model``.
@@ -1674,7 +1674,7 @@ def _run_one(
                 elif stage == "decode":
                     native, meta = dispatch.call(fmt.decode, fmt, opts, dispatch.as_source(data))
                 elif stage == "inspect":
-                    api.inspect_buffer(data, fmt)
+                    api.inspect_encoded(data, format=fmt)
                 elif stage == "slots":
                     _slots(fmt, data, native, opts)
                 elif stage == "verify":

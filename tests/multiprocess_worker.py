@@ -101,7 +101,7 @@ def check(
 
     if process_id == 0:
         whole = {**host, "step": 7, "bias": tree["bias"]}
-        ptio.save(directory / f"whole.{fmt}", whole, fmt)
+        ptio.save(directory / f"whole.{fmt}", whole, format=fmt)
         same = (directory / f"whole.{fmt}").read_bytes() == dest.read_bytes()
         assert same, "the file written in parts differs from a single-process save"
 

@@ -181,13 +181,13 @@ def check_runs(tmp: Path, sharded: Any, whole: Any, runs: list[Any], band: int) 
 
     for fmt, options in runs:
         with no_gather():
-            ptio.save(tmp / f"sharded.{fmt}", sharded, fmt, **options)
-        ptio.save(tmp / f"whole.{fmt}", whole, fmt, **options)
+            ptio.save(tmp / f"sharded.{fmt}", sharded, format=fmt, **options)
+        ptio.save(tmp / f"whole.{fmt}", whole, format=fmt, **options)
         a = (tmp / f"sharded.{fmt}").read_bytes()
         b = (tmp / f"whole.{fmt}").read_bytes()
         assert a == b, (fmt, options, band)
         with no_gather():
-            enc = ptio.encode(sharded, fmt, **options)
+            enc = ptio.encode(sharded, format=fmt, **options)
             assert enc.tobytes() == b, (fmt, options, band, "encode")
 
 
@@ -201,7 +201,7 @@ def save_streams_shard_buffers(tmp: Path) -> None:
 
     value = host_value((64, 256), np.float32, 1)
     arr = jax.device_put(value, named((("x", "y"),)))
-    enc = ptio.encode({"w": arr}, "safetensors", checksum=False)
+    enc = ptio.encode({"w": arr}, format="safetensors", checksum=False)
     parts = [c for c in enc.chunks if isinstance(c, ShardChunk)]
     assert [c.nbytes for c in parts] == [value.nbytes // 8] * 8, [c.nbytes for c in parts][:9]
     buffers = {np.asarray(s.data).ctypes.data for s in arr.addressable_shards}
@@ -210,7 +210,7 @@ def save_streams_shard_buffers(tmp: Path) -> None:
         assert produced.ctypes.data in buffers  # the shard's own host buffer: no copy
     # a 2-D mesh layout is assembled band by band: one band per row block
     arr2 = jax.device_put(value, named(("x", "y")))
-    enc2 = ptio.encode({"w": arr2}, "safetensors", checksum=False)
+    enc2 = ptio.encode({"w": arr2}, format="safetensors", checksum=False)
     parts2 = [c for c in enc2.chunks if isinstance(c, ShardChunk)]
     assert [c.nbytes for c in parts2] == [value.nbytes // 4] * 4
 
@@ -223,8 +223,8 @@ def load_reads_own_slices(tmp: Path) -> None:
     import pytreeio as ptio
 
     value = host_value((64, 4096), np.float32, 2)  # 1 MiB; runs of at least 8 KiB
-    ptio.save(tmp / "w.safetensors", {"w": value, "b": np.arange(3.0)}, "safetensors")
-    ptio.save(tmp / "w.msgpack", {"w": value, "b": np.arange(3.0)}, "msgpack")
+    ptio.save(tmp / "w.safetensors", {"w": value, "b": np.arange(3.0)}, format="safetensors")
+    ptio.save(tmp / "w.msgpack", {"w": value, "b": np.arange(3.0)}, format="msgpack")
     header = 8 + int.from_bytes((tmp / "w.safetensors").read_bytes()[:8], "little")
     specs = [("x", "y"), ("x",), (None, "y"), (("x", "y"),), ("y", "x")]
     for spec in specs:
@@ -255,7 +255,7 @@ def load_reads_own_slices(tmp: Path) -> None:
     out = ptio.load(tmp / "w.safetensors", like=like_w, partial=True)
     assert_placed(out["w"], value, sh)
     with ptio.open(tmp / "w.safetensors") as ck:
-        assert_placed(ck.load(like_w)["w"], value, sh)
+        assert_placed(ck.load(like=like_w)["w"], value, sh)
     # small runs (narrow columns) are read in windows: still exact
     narrow = host_value((256, 16), np.int16, 3)
     ptio.save(tmp / "n.safetensors", {"n": narrow})
@@ -286,7 +286,7 @@ def load_round_trip_all_layouts(tmp: Path) -> None:
     # a step counter stored as a Python int, restored into a replicated int32 template
     like["meta"] = {**like["meta"], "step": jax.ShapeDtypeStruct((), np.int32, sharding=named(()))}
     for fmt in ("safetensors", "msgpack"):
-        ptio.save(tmp / f"t.{fmt}", sharded, fmt)
+        ptio.save(tmp / f"t.{fmt}", sharded, format=fmt)
         out = ptio.load(tmp / f"t.{fmt}", like=like)
         for name, _shape, _dtype, spec in LAYOUTS:
             assert_placed(out[name], whole[name], named(spec))
@@ -328,11 +328,11 @@ def save_async_snapshots_shards(tmp: Path) -> None:
 
     for fmt in ("safetensors", "msgpack"):
         sharded, whole = trees()
-        chunks = ptio.encode(sharded, fmt).chunks
+        chunks = ptio.encode(sharded, format=fmt).chunks
         assert any(isinstance(c, Deferred) and not c.late for c in chunks), fmt
-        ptio.save(tmp / f"want.{fmt}", whole, fmt)
+        ptio.save(tmp / f"want.{fmt}", whole, format=fmt)
         with no_gather():
-            fut = ptio.save_async(tmp / f"async.{fmt}", sharded, fmt)
+            fut = ptio.save_async(tmp / f"async.{fmt}", sharded, format=fmt)
         for name, leaf in sharded.items():  # the training loop donates its arrays...
             if isinstance(leaf, jax.Array):
                 leaf.delete()
@@ -360,7 +360,7 @@ def threads_save_in_parts(tmp: Path) -> None:
     halves = [set(devices[:4]), set(devices[4:])]
     for fmt in ("safetensors", "msgpack"):
         dest = tmp / f"p.{fmt}"
-        ptio.save(tmp / f"w.{fmt}", whole, fmt)
+        ptio.save(tmp / f"w.{fmt}", whole, format=fmt)
         written = run_threads(
             2,
             lambda coord, dest=dest, fmt=fmt: multihost.save_in_parts(

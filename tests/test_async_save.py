@@ -168,13 +168,13 @@ def test_load_after_result_sees_the_new_file(tmp_path: Path) -> None:
 def test_sibling_and_directory_layouts(tmp_path: Path) -> None:
     # Multi-file encodings are snapshotted file by file.
     tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}
-    fmt = ptio.formats()["msgpack"]
-    encoded = ptio.encode(tree, fmt)
+    fmt = ptio.list_formats()["msgpack"]
+    encoded = ptio.encode(tree, format=fmt)
     snap = async_save._snapshot(ptio.Encoded(files={"a": encoded, "b": encoded}))
     assert snap.files is not None
     assert snap.files["a"].tobytes() == encoded.tobytes() == snap.files["b"].tobytes()
     tree["w"][:] = -1
-    assert snap.files["a"].tobytes() != ptio.encode(tree, fmt).tobytes()
+    assert snap.files["a"].tobytes() != ptio.encode(tree, format=fmt).tobytes()
 
 
 def test_cannot_be_cancelled(tmp_path: Path) -> None:
@@ -247,7 +247,7 @@ def test_snapshot_copied_in_blocks_on_the_pool(
     monkeypatch.setattr(async_save, "_PARALLEL_COPY_MIN", 0)
     monkeypatch.setattr(async_save, "_COPY_BLOCK", 4096 + 7)  # blocks straddle the arrays
     tree = _tree(3)
-    encoded = ptio.encode(tree, "safetensors")
+    encoded = ptio.encode(tree, format="safetensors")
     snap = async_save._snapshot(encoded)
     assert snap.tobytes() == encoded.tobytes()
     dest = tmp_path / "blocks.safetensors"
@@ -282,7 +282,7 @@ def test_deferred_chunks_are_produced_before_returning(tmp_path: Path) -> None:
             return Streamed(leaf, source) if leaf.convert is None else leaf.read(source)
 
         streamed = map_leaves(stream, slots.tree)
-        encoded = ptio.encode(streamed, "safetensors")
+        encoded = ptio.encode(streamed, format="safetensors")
         assert any(isinstance(c, Deferred) and c.late for c in encoded.chunks)
         assert sum(isinstance(c, Deferred) and not c.late for c in encoded.chunks) >= 3
         fut = ptio.save_async(tmp_path / "a.safetensors", streamed)
@@ -328,7 +328,7 @@ def _gated_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 def test_pending_snapshots_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = _gated_writes(monkeypatch)
     trees = [{"x": np.full(100_000, i, np.float64)} for i in range(3)]  # 800 kB each
-    size = ptio.encode(trees[0], "msgpack").nbytes
+    size = ptio.encode(trees[0], format="msgpack").nbytes
     limit = 2 * size + 1000  # room for two snapshots, not three
     futures = [
         ptio.save_async(tmp_path / f"{i}.msgpack", trees[i], max_pending_bytes=limit)

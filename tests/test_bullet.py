@@ -980,7 +980,7 @@ def test_from_model_refuses_what_bullet_cannot_hold() -> None:
 
 
 def test_format_record_declares_its_options() -> None:
-    fmt = ptio.formats()["bullet"]
+    fmt = ptio.list_formats()["bullet"]
     assert fmt is B.FORMAT and fmt.is_model_format
     assert {"saved_format", "shapes", "check_quantised", "step"} <= fmt.load_options
     assert "strict" in fmt.save_options

@@ -123,7 +123,7 @@ def test_formats_lists_layout_kinds_meta_flags_and_options(
     rows = [line.split() for line in out.splitlines() if not line.startswith(" ")]
     assert rows and all(r[1] in ("file", "siblings", "dir") for r in rows)
     names = [r[0] for r in rows]
-    assert names == sorted(api.formats())
+    assert names == sorted(api.list_formats())
     # two indented lines per format: its save and its load options, with defaults
     options = [line.strip() for line in out.splitlines() if line.startswith(" ")]
     assert len(options) == 2 * len(names)
@@ -137,7 +137,7 @@ def test_formats_lists_layout_kinds_meta_flags_and_options(
         assert entry["layout"] in ("file", "siblings", "dir")
         assert isinstance(entry["accepts_meta"], bool) and isinstance(entry["keeps_meta"], bool)
         assert "stores_meta" not in entry
-        fmt = api.formats()[name]
+        fmt = api.list_formats()[name]
         assert entry["save_options"] == sorted(fmt.save_options)
         assert entry["load_options"] == sorted(fmt.load_options)
     assert "saved_format" in doc["bullet"]["load_options"]
@@ -228,7 +228,7 @@ def test_help_lists_the_formats_and_describes_each_argument(
         cli.main([*command, "--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0
-    for name, fmt in api.formats().items():
+    for name, fmt in api.list_formats().items():
         assert name in out and fmt.description in out
     if command == ["convert"]:
         for flag in ("--to", "--from", "--meta", "--opt", "--lossy", "--force", "--no-fsync"):

@@ -5,7 +5,7 @@ as faithfully as its format can: the layer list where the format has one
 (netcl, DataCode, cl-waffe2's sidecar; safetensors carrying one of those),
 an Adam state (count 3, moments mu/nu; learning rate where the format keeps
 one) where the format holds one.  Every conversion between two of them,
-through the pure :func:`pytreeio.convert_buffer`, either
+through the pure :func:`pytreeio.convert_encoded`, either
 
 * is **exact**: after converting, the target's common form has every
   parameter bit-identical, the layer types where both sides keep a layer
@@ -124,7 +124,7 @@ def reference_moments() -> dict[str, list[np.ndarray]]:
 
 
 def files(enc: ptio.Encoded) -> Any:
-    """An encoding as ``convert_buffer`` takes it: bytes, or relative path -> bytes."""
+    """An encoding as ``convert_encoded`` takes it: bytes, or relative path -> bytes."""
     if enc.files is not None:
         return {k: v.tobytes() for k, v in enc.files.items()}
     return enc.tobytes()
@@ -140,17 +140,17 @@ def source(node: str, with_opt: bool) -> Any:
         if with_opt:
             return None
         meta = {"config": {"n_heads": TL_CONFIG["n_heads"], "dropout": TL_CONFIG["dropout"]}}
-        return files(ptio.encode(random_tree(TL_CONFIG), "tinyllama", meta=meta))
+        return files(ptio.encode(random_tree(TL_CONFIG), format="tinyllama", meta=meta))
     if fmt == "msgpack":
         if with_opt:
             return None  # a Flax tree's optax state: not a model state convert can read back
-        return files(ptio.encode({"params": sequential(params)}, "msgpack"))
+        return files(ptio.encode({"params": sequential(params)}, format="msgpack"))
     if fmt == "safetensors":
         if with_opt:  # what converting a cl-waffe2 checkpoint gives: its native tree, carried
             return files(
-                ptio.convert_buffer(source("waffe2", True), from_="waffe2", to="safetensors")
+                ptio.convert_encoded(source("waffe2", True), from_="waffe2", to="safetensors")
             )
-        return files(ptio.encode({"params": sequential(params)}, "safetensors"))
+        return files(ptio.encode({"params": sequential(params)}, format="safetensors"))
     if with_opt and fmt not in HOLDS_OPT:
         return None
     options: dict[str, Any] = dict(save_options(node))
@@ -158,7 +158,7 @@ def source(node: str, with_opt: bool) -> Any:
         options["layers"] = LAYERS3
     if fmt == "waffe2" and with_opt:
         options["optimizers"] = True
-    return files(ptio.encode(tree, fmt, **options))
+    return files(ptio.encode(tree, format=fmt, **options))
 
 
 def sequential(params: dict[str, Any]) -> dict[str, Any]:
@@ -189,7 +189,7 @@ def expected(src: str, dst: str, with_opt: bool) -> str:
 
 def conversion_options(src: str, dst: str, with_opt: bool) -> dict[str, Any]:
     s, t = fmt_of(src), fmt_of(dst)
-    target = ptio.formats()[t]
+    target = ptio.list_formats()[t]
     options = dict(save_options(dst))
     if s in GENERIC and not with_opt and target.is_model_format:
         options["layers"] = LAYERS3  # a Flax tree has no activations: layers= places them
@@ -222,8 +222,8 @@ def expected_bits() -> list[tuple[tuple[int, ...], str, bytes]]:
 def check_exact(src: str, dst: str, with_opt: bool, out: Any, *, lossy: bool = False) -> None:
     s, t = fmt_of(src), fmt_of(dst)
     if s == "tinyllama":
-        native = ptio.decode(out, t)
-        original = ptio.decode(source(src, False), "tinyllama")
+        native = ptio.decode(out, format=t)
+        original = ptio.decode(source(src, False), format="tinyllama")
         got = sorted(np.asarray(v).tobytes() for v in ptio.flatten(native).values())
         want = sorted(np.asarray(v).tobytes() for v in ptio.flatten(original).values())
         assert got == want
@@ -262,7 +262,7 @@ def test_matrix(src: str, dst: str, with_opt: bool) -> None:
     outcome = expected(src, dst, with_opt)
     options = conversion_options(src, dst, with_opt)
     convert = functools.partial(
-        ptio.convert_buffer, data, from_=fmt_of(src), to=fmt_of(dst), **options
+        ptio.convert_encoded, data, from_=fmt_of(src), to=fmt_of(dst), **options
     )
     if outcome == "exact":
         with warnings.catch_warnings():
@@ -293,16 +293,16 @@ def test_reference_into_every_format(node: str) -> None:
     fmt = fmt_of(node)
     tree = {"params": params, "opt_state": state}
     options = {**save_options(node), "optimizers": True} if fmt == "waffe2" else save_options(node)
-    src = files(ptio.encode(tree, "netcl-checkpoint"))
+    src = files(ptio.encode(tree, format="netcl-checkpoint"))
     if fmt in HOLDS_OPT:
         opts = {"hyperparams": {"learning_rate": LR}} if fmt == "waffe2" else {}
-        out = ptio.convert_buffer(src, from_="netcl-checkpoint", to=fmt, **opts)
+        out = ptio.convert_encoded(src, from_="netcl-checkpoint", to=fmt, **opts)
         assert C.decode_model(files(out), fmt).opt_state.count == COUNT
         if fmt != "safetensors":
-            ptio.encode(tree, fmt, **options)  # a Flax training state saves as well
+            ptio.encode(tree, format=fmt, **options)  # a Flax training state saves as well
         return
     with pytest.raises(ptio.ConversionError, match="optimizer state") as refused:
-        ptio.convert_buffer(src, from_="netcl-checkpoint", to=fmt, **save_options(node))
+        ptio.convert_encoded(src, from_="netcl-checkpoint", to=fmt, **save_options(node))
     assert any("optimizer state" in w for w in refused.value.what)
 
 
@@ -402,11 +402,11 @@ def test_what_does_not_fit_is_named() -> None:
     conv = {
         "Conv_0": {"kernel": np.ones((3, 3, 1, 2), np.float32), "bias": np.zeros(2, np.float32)}
     }
-    netcl = files(ptio.encode(conv, "netcl"))
+    netcl = files(ptio.encode(conv, format="netcl"))
     with pytest.raises(ptio.ConversionError, match=r"layer 0 \(Conv2d\)"):
-        ptio.convert_buffer(netcl, from_="netcl", to="datacode")
+        ptio.convert_encoded(netcl, from_="netcl", to="datacode")
     with pytest.raises(ptio.ConversionError, match=r"layer 0 \(Conv2d\)"):
-        ptio.convert_buffer(netcl, from_="netcl", to="bullet")
+        ptio.convert_encoded(netcl, from_="netcl", to="bullet")
     bn = {
         "params": {
             "BatchNorm_0": {"scale": np.ones(2, np.float32), "bias": np.zeros(2, np.float32)}
@@ -416,42 +416,44 @@ def test_what_does_not_fit_is_named() -> None:
         },
     }
     with pytest.raises(ptio.ConversionError, match="BatchNorm statistics"):
-        ptio.convert_buffer(files(ptio.encode(bn, "netcl")), from_="netcl", to="netcl-checkpoint")
+        ptio.convert_encoded(
+            files(ptio.encode(bn, format="netcl")), from_="netcl", to="netcl-checkpoint"
+        )
     # Tiny Llama is no layered model, whatever is dropped
     tl = source("tinyllama", False)
     for target in ("netcl", "datacode", "waffe2", "bullet", "netcl-checkpoint"):
         with pytest.raises(ptio.ConversionError, match=target):
-            ptio.convert_buffer(tl, from_="tinyllama", to=target, lossy=True)
+            ptio.convert_encoded(tl, from_="tinyllama", to=target, lossy=True)
     # netcl-checkpoint's config is information only it has a place for
-    ck = ptio.encode(params, "netcl-checkpoint", meta={"config": {"epochs": 3}})
+    ck = ptio.encode(params, format="netcl-checkpoint", meta={"config": {"epochs": 3}})
     with pytest.raises(ptio.ConversionError, match="netcl-checkpoint config"):
-        ptio.convert_buffer(files(ck), from_="netcl-checkpoint", to="bullet")
-    out = ptio.convert_buffer(files(ck), from_="netcl-checkpoint", to="safetensors")
-    back = ptio.convert_buffer(out, from_="safetensors", to="netcl-checkpoint")
+        ptio.convert_encoded(files(ck), from_="netcl-checkpoint", to="bullet")
+    out = ptio.convert_encoded(files(ck), from_="netcl-checkpoint", to="safetensors")
+    back = ptio.convert_encoded(out, from_="safetensors", to="netcl-checkpoint")
     assert json.loads(back.files["json"].tobytes())["config"] == {"epochs": 3}
 
 
-def test_convert_buffer_takes_options_like_convert() -> None:
+def test_convert_encoded_takes_options_like_convert() -> None:
     data = source("netcl", False)
     with pytest.raises(TypeError, match="verfy"):
-        ptio.convert_buffer(data, from_="netcl", to="safetensors", verfy=1)
-    out = ptio.convert_buffer(data, from_="netcl", to="datacode", variant="later")
-    assert ptio.decode(out, "datacode", like=None)["layer2"]["weight"].shape == (3, 2)
-    _, meta = ptio.formats()["datacode"].decode(out.tobytes())
+        ptio.convert_encoded(data, from_="netcl", to="safetensors", verfy=1)
+    out = ptio.convert_encoded(data, from_="netcl", to="datacode", variant="later")
+    assert ptio.decode(out, format="datacode", like=None)["layer2"]["weight"].shape == (3, 2)
+    _, meta = ptio.list_formats()["datacode"].decode(out.tobytes())
     assert meta["_datacode_file"]["variant"] == "later"
 
 
-def test_convert_buffer_takes_encodings_and_carried_files_load_into_flax_trees() -> None:
+def test_convert_encoded_takes_encodings_and_carried_files_load_into_flax_trees() -> None:
     params, _ = reference()
-    enc = ptio.encode(params, "datacode", layers=LAYERS3)
+    enc = ptio.encode(params, format="datacode", layers=LAYERS3)
     # an Encoded as encode returns it (single file or files) goes in as it is
-    st = ptio.convert_buffer(enc, from_="datacode", to="safetensors")
-    wf = ptio.convert_buffer(st, from_="safetensors", to="waffe2")
-    back = ptio.convert_buffer(wf, from_="waffe2", to="datacode")
+    st = ptio.convert_encoded(enc, from_="datacode", to="safetensors")
+    wf = ptio.convert_encoded(st, from_="safetensors", to="waffe2")
+    back = ptio.convert_encoded(wf, from_="waffe2", to="datacode")
     assert back.tobytes() == enc.tobytes()
     # the safetensors file carries DataCode's tree, and fills a Flax tree as DataCode would
-    assert ptio.decode(st, "safetensors", like=params)["Dense_1"]["bias"].tobytes() == (
+    assert ptio.decode(st, format="safetensors", like=params)["Dense_1"]["bias"].tobytes() == (
         params["Dense_1"]["bias"].tobytes()
     )
-    native = ptio.decode(st, "safetensors")
+    native = ptio.decode(st, format="safetensors")
     assert sorted(native) == ["layer0", "layer2"]  # DataCode's native tree, as it was

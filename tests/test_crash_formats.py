@@ -276,7 +276,7 @@ def test_two_concurrent_savers_always_leave_one_version(
 def test_saves_and_loads_leave_only_the_checkpoints_files(tmp_path: Path, fmt: str) -> None:
     """No lock file, temporary or journal stays beside a checkpoint of any layout."""
     dest = _dest(tmp_path, fmt)
-    layout = ptio.formats()[fmt].layout
+    layout = ptio.list_formats()[fmt].layout
     own = {dest.name}
     if isinstance(layout, Siblings):
         own |= {Path(p).name for p in layout.locate(dest).values()}

@@ -40,7 +40,7 @@ def tree() -> dict:
 
 
 def test_registered_and_listed(recipe: ModuleType) -> None:
-    fmt = ptio.formats()["jsonarrays"]
+    fmt = ptio.list_formats()["jsonarrays"]
     assert fmt is recipe.FORMAT and fmt.save_options == {"indent"} and fmt.load_options == set()
 
 
@@ -100,9 +100,9 @@ def test_malformed_input_is_a_format_error(recipe: ModuleType) -> None:
         b"[" * 100000,
     ):
         with pytest.raises(ptio.FormatError):
-            ptio.decode(data, "jsonarrays")
+            ptio.decode(data, format="jsonarrays")
     with pytest.raises(ptio.EncodeError):
-        ptio.encode({"a": np.array(["text"])}, "jsonarrays")
+        ptio.encode({"a": np.array(["text"])}, format="jsonarrays")
 
 
 def test_command_line(recipe: ModuleType, tmp_path: Path) -> None:

@@ -219,13 +219,14 @@ def test_conformance_in_the_seed_variant_and_back(conformance: Path) -> None:
     data = (conformance / "datacode/model_mnist.nn").read_bytes()
     native, meta = dc.decode(memoryview(data))
     seed = dc.encode(native, meta=meta, variant="seed").tobytes()
-    assert len(seed) == len(data)
+    # biases [1, out], as DataCode 2.1.0 writes them: one more u32 dim per Linear layer
+    assert len(seed) == len(data) + 2 * 4
     info = dc.inspect(BufferSource(seed))
     assert [(e.name, e.shape) for e in info.entries] == [
         ("layer0.weight", (784, 128)),
-        ("layer0.bias", (128,)),
+        ("layer0.bias", (1, 128)),
         ("layer2.weight", (128, 10)),
-        ("layer2.bias", (10,)),
+        ("layer2.bias", (1, 10)),
     ]
     native2, meta2 = dc.decode(memoryview(seed))
     assert meta2[dc.FILE_KEY]["variant"] == "seed"
@@ -331,8 +332,13 @@ def test_bias_shape_follows_the_native_tree_too() -> None:
         "layer0": {"weight": W0, "bias": B0.reshape(1, 4)},
         "layer2": {"weight": W2, "bias": B2},
     }
-    data = dc.encode(tree, meta={"layers": ["Linear", "ReLU", "Linear"]}).tobytes()
-    assert dc.decode(memoryview(data)).meta[dc.FILE_KEY]["bias_2d"] == ["layer0"]
+    # in a variant (or with a record) that writes [out]: a (1, out) bias stays [1, out]
+    for meta in (
+        {"layers": ["Linear", "ReLU", "Linear"], dc.FILE_KEY: {"variant": "later"}},
+        {"layers": ["Linear", "ReLU", "Linear"], dc.FILE_KEY: {"bias_2d": []}},
+    ):
+        data = dc.encode(tree, meta=meta).tobytes()
+        assert dc.decode(memoryview(data)).meta[dc.FILE_KEY]["bias_2d"] == ["layer0"]
 
 
 def test_encode_fills_a_partial_document() -> None:

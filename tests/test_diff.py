@@ -312,10 +312,13 @@ def test_optimizer_slots_and_count_through_the_model_form(tmp_path: Path) -> Non
 
 
 def test_diff_trees_in_memory() -> None:
-    a = ptio.encode(_params(), "safetensors")
-    b = ptio.encode(_params(1), "safetensors")
+    a = ptio.encode(_params(), format="safetensors")
+    b = ptio.encode(_params(1), format="safetensors")
     r = D.diff_trees(
-        ptio.decode(a, "safetensors"), ptio.decode(b, "safetensors"), "safetensors", "safetensors"
+        ptio.decode(a, format="safetensors"),
+        ptio.decode(b, format="safetensors"),
+        "safetensors",
+        "safetensors",
     )
     assert r.verdict == "different" and r.counts["values differ"] == 4
 

@@ -155,7 +155,7 @@ def test_bullet_quantised_file_is_quantise(tmp_path: Path) -> None:
 
     want += padding(len(want))
     assert (dest / "quantised.bin").read_bytes() == want
-    encoded = ptio.encode(tree, "bullet", meta={"saved_format": layout})
+    encoded = ptio.encode(tree, format="bullet", meta={"saved_format": layout})
     assert encoded.files is not None
     q = encoded.files["quantised.bin"]
     assert q.tobytes() == want and q.tobytes() == want  # produced twice: the same bytes

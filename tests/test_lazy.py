@@ -315,7 +315,7 @@ def test_partial_load_of_subtrees_is_bit_exact(fmt: str, tmp_path: Path) -> None
         with pytest.raises(ptio.MismatchError):
             ptio.load(path, like=like)  # not partial: the extra entries are refused
     with ptio.open(path) as ck:
-        got = ck.load({"Dense_0": state["params"]["Dense_0"]}, prefix="params")
+        got = ck.load(like={"Dense_0": state["params"]["Dense_0"]}, prefix="params")
         assert_same(got["Dense_0"]["kernel"], state["params"]["Dense_0"]["kernel"], "kernel")
 
 
@@ -366,8 +366,8 @@ def test_partial_load_through_a_model_format(tmp_path: Path) -> None:
 
 
 def test_decode_partial(tmp_path: Path) -> None:
-    data = ptio.encode({"a": np.ones(2), "b": np.zeros(3)}, "safetensors")
-    got = ptio.decode(data, "safetensors", like={"b": np.ones(3)}, partial=True)
+    data = ptio.encode({"a": np.ones(2), "b": np.zeros(3)}, format="safetensors")
+    got = ptio.decode(data, format="safetensors", like={"b": np.ones(3)}, partial=True)
     assert_same(got["b"], np.zeros(3), "b")
 
 

@@ -186,7 +186,7 @@ def test_datacode_variant_option(tmp_path: Path) -> None:
 
 
 def dc_bytes() -> bytes:
-    return ptio.encode(dc_params(), "datacode", meta={"layers": DC_LAYERS}).tobytes()
+    return ptio.encode(dc_params(), format="datacode", meta={"layers": DC_LAYERS}).tobytes()
 
 
 def test_datacode_hostile() -> None:
@@ -240,7 +240,7 @@ def bullet_files(with_layout: bool = True) -> dict[str, bytes]:
     meta: dict[str, Any] = {"steps": {k: 3 for k in tree["weights"]}, "log": "1,1,0.5\n"}
     if with_layout:
         meta["saved_format"] = LAYOUT
-    return {k: v.tobytes() for k, v in ptio.encode(tree, "bullet", meta=meta).files.items()}
+    return {k: v.tobytes() for k, v in ptio.encode(tree, format="bullet", meta=meta).files.items()}
 
 
 def write_dir(root: Path, files: Mapping[str, bytes]) -> Path:

@@ -104,7 +104,7 @@ def test_keys_round_trip_as_keys_with_and_without_like(fmt: str, tmp_path: Path)
 @pytest.mark.parametrize("fmt", GENERIC)
 def test_key_mismatches_name_the_key_path(fmt: str) -> None:
     k = jax.random.key(0)
-    enc = ptio.encode({"k": k, "old": jax.random.PRNGKey(0)}, fmt)
+    enc = ptio.encode({"k": k, "old": jax.random.PRNGKey(0)}, format=fmt)
     bad_likes = {
         "k": (
             {
@@ -119,32 +119,32 @@ def test_key_mismatches_name_the_key_path(fmt: str) -> None:
     for where, likes in bad_likes.items():
         for like in likes:
             with pytest.raises(MismatchError) as e:
-                ptio.decode(enc, fmt, like=like)
+                ptio.decode(enc, format=fmt, like=like)
             assert e.value.key_path == where
 
 
 def test_msgpack_key_convention_and_flax_compatibility() -> None:
     k = jax.random.key(3)
-    data = ptio.encode({"a": np.ones(2, np.float32), "k": k}, "msgpack").tobytes()
+    data = ptio.encode({"a": np.ones(2, np.float32), "k": k}, format="msgpack").tobytes()
     # flax reads the key as the documented map (it has no convention of its own)
     raw = flax.serialization.msgpack_restore(data)
     assert set(raw["k"]) == {"__msgpack_prng_key__", "impl", "data"}
     assert raw["k"]["__msgpack_prng_key__"] is True and raw["k"]["impl"] == "threefry2x32"
     np.testing.assert_array_equal(raw["k"]["data"], np.asarray(jax.random.key_data(k)))
     # inspect lists the key as one entry
-    info = ptio.inspect_buffer(data, "msgpack")
+    info = ptio.inspect_encoded(data, format="msgpack")
     by_key = {e.name: e for e in info.entries}
     assert by_key["k"].dtype == "key<threefry2x32>" and tuple(by_key["k"].shape) == ()
     # trees without keys stay exactly what flax writes
     plain = {"a": np.ones(2, np.float32), "b": {"c": np.arange(3)}}
-    assert ptio.encode(plain, "msgpack").tobytes() == flax.serialization.to_bytes(plain)
+    assert ptio.encode(plain, format="msgpack").tobytes() == flax.serialization.to_bytes(plain)
 
 
 def test_safetensors_key_is_a_u32_tensor_with_its_implementation_recorded() -> None:
     import json
 
     k = jax.random.split(jax.random.key(3), 4)
-    data = ptio.encode({"k": k}, "safetensors").tobytes()
+    data = ptio.encode({"k": k}, format="safetensors").tobytes()
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + n])
     assert header["k"]["dtype"] == "U32" and header["k"]["shape"] == [4, 2]
@@ -187,13 +187,13 @@ GOOD = {"__msgpack_prng_key__": True, "impl": "threefry2x32", "data": np.zeros(2
 def test_malformed_msgpack_keys_are_format_errors(marker: dict[str, Any], in_header: bool) -> None:
     data = _msgpack_with(marker)
     with pytest.raises(FormatError) as e:
-        ptio.decode(data, "msgpack")
+        ptio.decode(data, format="msgpack")
     assert e.value.field == "k"
     if in_header:
         with pytest.raises(FormatError):
-            ptio.inspect_buffer(data, "msgpack")
+            ptio.inspect_encoded(data, format="msgpack")
     else:
-        (entry,) = ptio.inspect_buffer(data, "msgpack").entries
+        (entry,) = ptio.inspect_encoded(data, format="msgpack").entries
         assert entry.dtype.startswith("key<")
 
 
@@ -221,10 +221,10 @@ def test_malformed_safetensors_keys_are_format_errors(
     }
     data = save({"k": tensor}, metadata=meta)
     with pytest.raises(FormatError):
-        ptio.decode(data, "safetensors")
+        ptio.decode(data, format="safetensors")
 
 
-NOT_KEYS = sorted(set(ptio.formats()) - keys.HOLDS_KEYS)
+NOT_KEYS = sorted(set(ptio.list_formats()) - keys.HOLDS_KEYS)
 
 
 @pytest.mark.parametrize("fmt", NOT_KEYS)
@@ -365,11 +365,11 @@ def test_nnx_state_is_stored_as_its_pure_dict(fmt: str) -> None:
     state = nnx.state(net, nnx.Param)
     pure = nnx.to_pure_dict(state)
     assert ptio.flatten(state).keys() == ptio.flatten(pure).keys()
-    enc = ptio.encode(state, fmt)
-    assert enc.tobytes() == ptio.encode(pure, fmt).tobytes()
+    enc = ptio.encode(state, format=fmt)
+    assert enc.tobytes() == ptio.encode(pure, format=fmt).tobytes()
     if fmt == "msgpack":  # exactly what flax writes for the pure dict
         assert enc.tobytes() == flax.serialization.to_bytes(pure)
-    native = ptio.decode(enc, fmt)
+    native = ptio.decode(enc, format=fmt)
     abstract = nnx.state(nnx.eval_shape(make_net), nnx.Param)
     nnx.replace_by_pure_dict(abstract, native)
     assert_tree_bits(abstract, state)
@@ -379,15 +379,15 @@ def test_nnx_state_is_stored_as_its_pure_dict(fmt: str) -> None:
 def test_nnx_split_states_and_merge(fmt: str) -> None:
     net = trained_net()
     graphdef, params, rest = nnx.split(net, nnx.Param, ...)
-    enc = ptio.encode({"params": params, "rest": rest}, fmt)
+    enc = ptio.encode({"params": params, "rest": rest}, format=fmt)
     _, a_params, a_rest = nnx.split(nnx.eval_shape(make_net), nnx.Param, ...)
-    back = ptio.decode(enc, fmt, like={"params": a_params, "rest": a_rest})
+    back = ptio.decode(enc, format=fmt, like={"params": a_params, "rest": a_rest})
     merged = nnx.merge(graphdef, back["params"], back["rest"])
     net.eval()
     merged.eval()
     np.testing.assert_array_equal(apply(merged, X), apply(net, X))
     # a single split state on its own
-    only = ptio.decode(ptio.encode(params, fmt), fmt, like=a_params)
+    only = ptio.decode(ptio.encode(params, format=fmt), format=fmt, like=a_params)
     assert_tree_bits(only, params)
 
 
@@ -430,15 +430,15 @@ def test_nnx_optimizer_state_resumes_exactly(tmp_path: Path) -> None:
 
 def test_nnx_mismatches_name_the_path() -> None:
     net = make_net()
-    enc = ptio.encode(nnx.state(net, nnx.Param), "safetensors")
+    enc = ptio.encode(nnx.state(net, nnx.Param), format="safetensors")
     like = nnx.state(nnx.eval_shape(make_net))  # also wants batch stats and RNG state
     with pytest.raises(MismatchError) as e:
-        ptio.decode(enc, "safetensors", like=like)
+        ptio.decode(enc, format="safetensors", like=like)
     assert e.value.key_path.startswith(("bn/mean", "bn/var", "drop/"))
     small = nnx.state(nnx.eval_shape(lambda: nnx.Linear(3, 4, rngs=nnx.Rngs(0))))
-    enc = ptio.encode(nnx.state(nnx.Linear(3, 5, rngs=nnx.Rngs(0))), "msgpack")
+    enc = ptio.encode(nnx.state(nnx.Linear(3, 5, rngs=nnx.Rngs(0))), format="msgpack")
     with pytest.raises(MismatchError) as e:
-        ptio.decode(enc, "msgpack", like=small)
+        ptio.decode(enc, format="msgpack", like=small)
     assert e.value.key_path in ("bias", "kernel")
 
 
@@ -447,7 +447,7 @@ def test_nnx_value_level_spelling_is_accepted() -> None:
     lin = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     state = nnx.state(lin)
     spelled = {k: {"value": np.asarray(v[...])} for k, v in state.items()}
-    back = ptio.decode(ptio.encode(spelled, "safetensors"), "safetensors", like=state)
+    back = ptio.decode(ptio.encode(spelled, format="safetensors"), format="safetensors", like=state)
     assert_tree_bits(back, state)
 
 

@@ -226,5 +226,5 @@ def test_a_structure_document_nested_past_the_interpreters_limit_is_a_format_err
     tree = '{"dict":[["w",' + nested + "]]}"
     blob = _pytreeio_blob(_entry("w", 0), tree, b"\0" * 4)
     with pytest.raises(ptio.FormatError) as err:
-        ptio.decode(blob, "safetensors")
+        ptio.decode(blob, format="safetensors")
     assert err.value.field == "pytreeio.core.tree" and err.value.offset is not None

@@ -10,7 +10,7 @@ from pytreeio.formats import registry
 
 
 def test_the_builtin_table_names_each_formats_module_and_suffixes() -> None:
-    formats = ptio.formats()
+    formats = ptio.list_formats()
     assert set(registry.BUILTIN) <= set(formats)
     for name, (module, suffixes) in registry.BUILTIN.items():
         # the module named is the one that holds (and so registered) the format record
@@ -36,11 +36,11 @@ def test_a_named_format_or_suffix_imports_that_format_alone(tmp_path: object) ->
 
 
 def test_sniffing_order_does_not_depend_on_what_was_used_first() -> None:
-    first = _child("import pytreeio as ptio; print(list(ptio.formats()))")
+    first = _child("import pytreeio as ptio; print(list(ptio.list_formats()))")
     after_bullet = _child(
         "import pytreeio as ptio\n"
         "from pytreeio.formats import registry; registry.get('bullet'); registry.get('msgpack')\n"
-        "print(list(ptio.formats()))"
+        "print(list(ptio.list_formats()))"
     )
     assert first == after_bullet == str(list(registry.BUILTIN))
 

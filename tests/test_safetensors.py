@@ -85,13 +85,13 @@ def test_pytreeio_reads_safetensors_package_files(tmp_path: Path) -> None:
     )
     # and the numpy flavour, byte for byte identical data section
     blob = safetensors.numpy.save({"a": np.arange(5, dtype=np.int64)})
-    assert ptio.decode(blob, "safetensors")["a"].tolist() == [0, 1, 2, 3, 4]
+    assert ptio.decode(blob, format="safetensors")["a"].tolist() == [0, 1, 2, 3, 4]
 
 
 def test_round_trip_with_and_without_like() -> None:
     tree = _sample()
-    blob = ptio.encode(tree, "safetensors").tobytes()
-    back = ptio.decode(blob, "safetensors")
+    blob = ptio.encode(tree, format="safetensors").tobytes()
+    back = ptio.decode(blob, format="safetensors")
     assert (
         back["opt_state"][0]._fields == ("count", "mu", "nu")
         and type(back["opt_state"][0]).__name__ == "ScaleByAdamState"
@@ -103,17 +103,17 @@ def test_round_trip_with_and_without_like() -> None:
     )
     assert type(back["step"]) is int and type(back["lr"]) is float and back["on"] is False
     assert isinstance(back["layers"][0], np.int8)
-    restored = ptio.decode(blob, "safetensors", like=tree)
+    restored = ptio.decode(blob, format="safetensors", like=tree)
     assert type(restored["opt_state"][0]) is optax.ScaleByAdamState
     assert_bits_equal(tree, restored)
 
 
 @given(trees())
 def test_hypothesis_round_trip_bit_for_bit(tree: Any) -> None:
-    blob = ptio.encode(tree, "safetensors").tobytes()
-    assert_bits_equal(tree, ptio.decode(blob, "safetensors"))
+    blob = ptio.encode(tree, format="safetensors").tobytes()
+    assert_bits_equal(tree, ptio.decode(blob, format="safetensors"))
     if tree is not None:
-        assert_bits_equal(tree, ptio.decode(blob, "safetensors", like=tree))
+        assert_bits_equal(tree, ptio.decode(blob, format="safetensors", like=tree))
 
 
 def test_tensors_are_aligned_to_their_itemsize() -> None:
@@ -123,7 +123,7 @@ def test_tensors_are_aligned_to_their_itemsize() -> None:
         "c": np.ones(1, np.int16),
         "d": np.ones(5, np.float32),
     }
-    blob = ptio.encode(tree, "safetensors").tobytes()
+    blob = ptio.encode(tree, format="safetensors").tobytes()
     n = struct.unpack("<Q", blob[:8])[0]
     assert n % 8 == 0
     header = json.loads(blob[8 : 8 + n])
@@ -196,44 +196,46 @@ def _blob(header: dict[str, Any], data: bytes = b"") -> bytes:
 )
 def test_malformed_headers_raise_format_error(blob: bytes, field: str) -> None:
     with pytest.raises(ptio.FormatError) as e:
-        ptio.decode(blob, "safetensors")
+        ptio.decode(blob, format="safetensors")
     assert e.value.field == field and e.value.offset is not None
 
 
 def test_truncation_at_every_offset_raises_format_error() -> None:
     blob = ptio.encode(
-        {"w": np.arange(6, dtype=np.float32), "n": 2, "t": (np.ones(1, np.int8),)}, "safetensors"
+        {"w": np.arange(6, dtype=np.float32), "n": 2, "t": (np.ones(1, np.int8),)},
+        format="safetensors",
     ).tobytes()
     for cut in range(len(blob)):
         with pytest.raises(ptio.FormatError):
-            ptio.decode(blob[:cut], "safetensors")
+            ptio.decode(blob[:cut], format="safetensors")
 
 
 def test_random_byte_flips_raise_only_pytreeio_errors() -> None:
     blob = ptio.encode(
-        {"w": np.arange(6, dtype=np.float32), "n": 2, "t": (np.ones(1, np.int8),)}, "safetensors"
+        {"w": np.arange(6, dtype=np.float32), "n": 2, "t": (np.ones(1, np.int8),)},
+        format="safetensors",
     ).tobytes()
     rng = random.Random(99)
     for _ in range(2000):
         data = bytearray(blob)
         data[rng.randrange(len(data))] = rng.randrange(256)
         with contextlib.suppress(ptio.PytreeioError):
-            ptio.decode(bytes(data), "safetensors")
+            ptio.decode(bytes(data), format="safetensors")
 
 
 def test_unsupported_leaves_raise_encode_error() -> None:
     with pytest.raises(ptio.EncodeError, match="complex"):
-        ptio.encode({"c": 1j}, "safetensors")
+        ptio.encode({"c": 1j}, format="safetensors")
     with pytest.raises(ptio.EncodeError) as e:
-        ptio.encode({"a": [np.ones(2, np.complex64)]}, "safetensors")
+        ptio.encode({"a": [np.ones(2, np.complex64)]}, format="safetensors")
     assert e.value.key_path == "a/[0]"
     with pytest.raises(ptio.EncodeError, match="reserved"):
-        ptio.encode({"__metadata__": np.ones(1)}, "safetensors")
+        ptio.encode({"__metadata__": np.ones(1)}, format="safetensors")
 
 
 def test_namedtuple_without_like_keeps_name_and_fields() -> None:
     P = namedtuple("P", ["x", "y"])
-    back = ptio.decode(ptio.encode(P(np.ones(1), 2), "safetensors"), "safetensors")
+    back = ptio.decode(ptio.encode(P(np.ones(1), 2), format="safetensors"), format="safetensors")
     assert type(back).__name__ == "P" and back.x.tolist() == [1.0] and back.y == 2
 
 
@@ -243,7 +245,7 @@ def test_registry_record_v2() -> None:
     fmt = fmt_st.FORMAT
     assert fmt.layout is FILE and fmt.accepts_meta and fmt.keeps_meta
     assert fmt.save_options == {"checksum"} and fmt.load_options == {"verify"}
-    blob = ptio.encode({"w": np.ones(2)}, "safetensors").tobytes()
+    blob = ptio.encode({"w": np.ones(2)}, format="safetensors").tobytes()
     assert fmt.sniff(Probe(Path("x"), head=blob[:4096], size=len(blob))) == MAGIC
     other = struct.pack("<Q", 8) + b'{"a":1} ' + b"\0" * 8
     assert fmt.sniff(Probe(Path("x"), head=other, size=len(other))) == STRUCTURE

@@ -112,7 +112,7 @@ def test_save_in_parts_of_host_arrays_equals_save(tmp_path: Path, fmt: str) -> N
     dest = tmp_path / f"ckpt.{fmt}"
     results = run_threads(3, lambda c: multihost.save_in_parts(dest, tree, fmt, coordinator=c))
     assert results == [None, None, None]
-    ptio.save(tmp_path / f"plain.{fmt}", tree, fmt)
+    ptio.save(tmp_path / f"plain.{fmt}", tree, format=fmt)
     assert dest.read_bytes() == (tmp_path / f"plain.{fmt}").read_bytes()
     assert not [p for p in tmp_path.iterdir() if "pytreeio-tmp" in p.name]
 

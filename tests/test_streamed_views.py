@@ -22,7 +22,7 @@ def leaves(tmp_path: Path, every_slot_streams: None) -> Any:
         "v": np.arange(12, dtype=np.int16),
     }
     ptio.save(tmp_path / "a.safetensors", arrays, checksum=False)
-    fmt = ptio.formats()["safetensors"]
+    fmt = ptio.list_formats()["safetensors"]
     native, _, source = conversion.open_streamed(tmp_path / "a.safetensors", fmt, fmt, {})
     yield arrays, native
     source.close()

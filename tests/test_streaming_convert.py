@@ -1,7 +1,7 @@
 """Streaming convert: tensor by tensor, the same bytes as an in-memory convert, bounded memory.
 
 The byte-identity tests compare ``ptio.convert`` (which streams where the
-formats allow) with ``ptio.convert_buffer`` (which never does) on small
+formats allow) with ``ptio.convert_encoded`` (which never does) on small
 checkpoints.  The memory test converts a 1 GiB bullet checkpoint into
 safetensors in a subprocess and checks that its peak RSS grew by far less
 than the checkpoint (the whole file in memory would be 1 GiB).
@@ -34,7 +34,7 @@ from pytreeio.engine import conversion
 
 
 def files_of(path: Path, fmt: str | None = None) -> Any:
-    layout = ptio.formats()[fmt].layout if fmt else None
+    layout = ptio.list_formats()[fmt].layout if fmt else None
     if isinstance(layout, Siblings):
         return {r: p.read_bytes() for r, p in layout.locate(path).items() if p.exists()}
     if path.is_dir():
@@ -44,7 +44,7 @@ def files_of(path: Path, fmt: str | None = None) -> Any:
 
 def streams(src: Path, from_: str, to: str, **options: Any) -> bool:
     """Whether ``ptio.convert`` would stream this conversion."""
-    container, target = ptio.formats()[from_], ptio.formats()[to]
+    container, target = ptio.list_formats()[from_], ptio.list_formats()[to]
     load_options = conversion.decode_options(container, target, options)
     found = conversion.open_streamed(src, container, target, load_options)
     if found is None:
@@ -67,7 +67,7 @@ def check_identical(src: Path, dst: Path, from_: str, to: str, **options: Any) -
     """The streamed convert's bytes equal the in-memory convert's; checksums verify."""
     assert streams(src, from_, to, **options)
     ptio.convert(src, dst, to=to, **options)
-    want = ptio.convert_buffer(files_of(src, from_), from_=from_, to=to, dest=dst, **options)
+    want = ptio.convert_encoded(files_of(src, from_), from_=from_, to=to, dest=dst, **options)
     assert dst.read_bytes() == want.tobytes()
     ptio.verify(dst)
 
@@ -135,7 +135,7 @@ def test_without_checksums_and_safetensors_onward(tmp_path: Path) -> None:
     ptio.save(src, params, format="datacode")
     check_identical(src, tmp_path / "a.safetensors", "datacode", "safetensors", checksum=False)
     assert "pytreeio.xxh3_64" not in ptio.inspect(tmp_path / "a.safetensors").meta
-    if ptio.formats()["safetensors"].slots is not None:  # safetensors -> safetensors streams too
+    if ptio.list_formats()["safetensors"].slots is not None:  # safetensors -> safetensors streams too
         check_identical(
             tmp_path / "a.safetensors", tmp_path / "b.safetensors", "safetensors", "safetensors"
         )
@@ -258,7 +258,7 @@ def test_model_form_conversions_stream(tmp_path: Path) -> None:
     assert streams(src, "datacode", "datacode")
     dst = tmp_path / "m.wf2model"
     ptio.convert(src, dst, to="waffe2", hyperparams={"learning_rate": 0.1})
-    want = ptio.convert_buffer(
+    want = ptio.convert_encoded(
         src.read_bytes(),
         from_="datacode",
         to="waffe2",
@@ -299,15 +299,15 @@ def test_a_source_changed_underneath_fails_cleanly(
     src = tmp_path / "m.nn"
     params = {"layer0": {"weight": big(256 * 128, 0).reshape(256, 128), "bias": big(128, 1)}}
     ptio.save(src, params, format="datacode")
-    target = ptio.formats()[to]
+    target = ptio.list_formats()[to]
     native, meta, source = conversion.open_streamed(
-        src, ptio.formats()["datacode"], target, {}
+        src, ptio.list_formats()["datacode"], target, {}
     ) or (None, None, None)
     assert source is not None
     out = tmp_path / "out"
     try:
         enc = conversion.convert_decoded(
-            ptio.formats()["datacode"], target, native, meta, options={}, dest=str(out)
+            ptio.list_formats()["datacode"], target, native, meta, options={}, dest=str(out)
         )
         with open(src, "r+b") as f:  # a tensor's bytes shorter than its slot now
             f.truncate(200)
@@ -334,7 +334,7 @@ CHILD = textwrap.dedent(
     import json, sys
     import pytreeio as ptio
 
-    ptio.formats()  # every format module imported before the baseline
+    ptio.list_formats()  # every format module imported before the baseline
 
     def status(key):
         for line in open("/proc/self/status"):

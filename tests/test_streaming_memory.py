@@ -5,7 +5,7 @@ model format with ``ptio.convert`` under :mod:`tracemalloc`, which sees
 numpy's allocations: the peak must stay within a few tensors (one read, its
 transposed copy where the orientations differ, one per writing thread), far
 below the checkpoint, and the files must equal the in-memory
-``ptio.convert_buffer``'s.  The ``.npz`` writer's late headers for streamed
+``ptio.convert_encoded``'s.  The ``.npz`` writer's late headers for streamed
 members are checked against Python's ``zipfile`` directly.
 """
 
@@ -95,7 +95,7 @@ def test_convert_into_model_formats_holds_a_few_tensors(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # waffe2 sources warn of their layer list
         peak = traced_peak(lambda: ptio.convert(path, out, from_=src, to=dst, durable=False))
-        want = ptio.convert_buffer(files_of(path, src), from_=src, to=dst, dest=out)
+        want = ptio.convert_encoded(files_of(path, src), from_=src, to=dst, dest=out)
     assert peak < BOUND, f"peak {peak / 2**20:.1f} MiB for a {LAYERS * TENSOR / 2**20:.1f} MiB tree"
     assert LAYERS * TENSOR > 2 * BOUND  # the bound tells streaming from holding the checkpoint
     got = files_of(out, dst)

@@ -3,7 +3,7 @@
 Each source of :mod:`test_convert_matrix` is written to files and converted
 with ``ptio.convert`` with every array streamed (read only when the target
 writes it, transposed or cast when read); the result must be byte-identical to
-the in-memory ``ptio.convert_buffer`` of the same cell, refusals included.
+the in-memory ``ptio.convert_encoded`` of the same cell, refusals included.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("every_slot_streams")
 
 def write_source(data: Any, fmt: str, path: Path) -> Path:
     """The encoded source checkpoint as files at ``path``."""
-    layout = ptio.formats()[fmt].layout
+    layout = ptio.list_formats()[fmt].layout
     if isinstance(data, bytes):
         path.write_bytes(data)
     elif isinstance(layout, Siblings):
@@ -54,7 +54,7 @@ def test_streamed_matrix_matches_in_memory(
     options = conversion_options(src, dst, with_opt)
     lossy = expected(src, dst, with_opt) != "exact"
     in_memory = functools.partial(
-        ptio.convert_buffer, data, from_=s, to=t, dest=out, lossy=lossy, **options
+        ptio.convert_encoded, data, from_=s, to=t, dest=out, lossy=lossy, **options
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -67,5 +67,5 @@ def test_streamed_matrix_matches_in_memory(
             return
         ptio.convert(path, out, from_=s, to=t, lossy=lossy, **options)
     assert files_of(out, t) == want
-    if ptio.formats()[t].streams and ptio.formats()[s].slots is not None:
+    if ptio.list_formats()[t].streams and ptio.list_formats()[s].slots is not None:
         assert streams(path, s, t, **options)

@@ -26,7 +26,7 @@ _SHAPE = (1024, 1024)  # 4 MiB each: 64 MiB in all
 _CHILD = f"""
 import sys, numpy as np, pytreeio as ptio
 path, fmt = sys.argv[1], sys.argv[2]
-ptio.formats()[fmt]  # imported before the race: the load's own work is what is raced
+ptio.list_formats()[fmt]  # imported before the race: the load's own work is what is raced
 want = {{f"p{{i:02d}}": np.full({_SHAPE!r}, i, np.float32) for i in range({_COUNT})}}
 print("ready", flush=True)
 for _ in sys.stdin:

@@ -565,7 +565,7 @@ def test_element_count_dtype_and_fortran_mismatches(conformance: Path, tmp_path:
     with pytest.raises(FormatError, match="Fortran"):
         w.decode(src)
     with pytest.raises(FormatError, match="Fortran"):
-        ptio.inspect_buffer(src, "waffe2")
+        ptio.inspect_encoded(src, format="waffe2")
 
 
 def test_missing_keys_strict_and_lenient(conformance: Path) -> None:
@@ -706,7 +706,7 @@ def test_flax_adam_state_writes_cl_waffe2_bytes(conformance: Path) -> None:
     state = state._replace(count=jnp.int32(3), inner_state=(inner, *state.inner_state[1:]))
     enc = ptio.encode(
         {"params": params, "opt_state": state},
-        "waffe2",
+        format="waffe2",
         dest="./tiny_adam3_opt.wf2model",
         optimizers=True,
         sidecar=False,
@@ -716,7 +716,7 @@ def test_flax_adam_state_writes_cl_waffe2_bytes(conformance: Path) -> None:
     with pytest.warns(PytreeioWarning, match="optimizers=False"):
         enc = ptio.encode(
             {"params": params, "opt_state": state},
-            "waffe2",
+            format="waffe2",
             dest="tiny_adam3_noopt.wf2model",
             sidecar=False,
         )
@@ -735,7 +735,7 @@ def test_flax_sgd_and_no_bias_layer_write_cl_waffe2_bytes(conformance: Path) -> 
     opt = optax.sgd(0.1)
     enc = ptio.encode(
         {"params": params, "opt_state": opt.init(params)},
-        "waffe2",
+        format="waffe2",
         dest=d.name,
         optimizers=True,
         sidecar=False,
@@ -870,7 +870,7 @@ def test_sidecar_keeps_shapes_layers_and_step(tmp_path: Path) -> None:
 
 
 def test_malformed_sidecar(tmp_path: Path) -> None:
-    enc = ptio.encode(tiny_params(), "waffe2", dest="x")
+    enc = ptio.encode(tiny_params(), format="waffe2", dest="x")
     files = encoded_files(enc)
     doc = json.loads(files[w.SIDECAR])
     for change in (
@@ -891,10 +891,12 @@ def test_optimizer_conversions() -> None:
     params = tiny_params()
     plain = {"params": params, "opt_state": optax.adam(1e-2).init(params)}
     with pytest.raises(ConversionError, match="learning rate"):
-        ptio.encode(plain, "waffe2", optimizers=True)
+        ptio.encode(plain, format="waffe2", optimizers=True)
     doc = json.loads(
         encoded_files(
-            ptio.encode(plain, "waffe2", optimizers=True, hyperparams={"learning_rate": 1e-2})
+            ptio.encode(
+                plain, format="waffe2", optimizers=True, hyperparams={"learning_rate": 1e-2}
+            )
         )["parameters.json"]
     )
     assert doc["optimizer:linearlayer.0.bias.adam.single-float.eps"] == 1e-8  # optax's default
@@ -905,13 +907,13 @@ def test_optimizer_conversions() -> None:
                 "params": params,
                 "opt_state": optax.inject_hyperparams(optax.adam)(learning_rate=0.1).init(params),
             },
-            "waffe2",
+            format="waffe2",
             optimizers=True,
             hyperparams={"learning_rate": 0.2},
         )
     momentum = {"params": params, "opt_state": optax.sgd(0.1, momentum=0.9).init(params)}
     with pytest.raises(ConversionError, match="momentum"):
-        ptio.encode(momentum, "waffe2", optimizers=True, hyperparams={"learning_rate": 0.1})
+        ptio.encode(momentum, format="waffe2", optimizers=True, hyperparams={"learning_rate": 0.1})
     with pytest.warns(PytreeioWarning, match="dropping"):
         native, _ = w.from_model(M.model_of(momentum), optimizers=True, lossy=True)
     assert "optimizer" not in native
@@ -1012,7 +1014,7 @@ def test_encode_options_and_errors() -> None:
     with pytest.raises(EncodeError, match="tensor_class"):
         w.encode(tree, tensor_class="Bad Class")
     with pytest.raises(TypeError):
-        ptio.encode(tree, "waffe2", no_such_option=1)
+        ptio.encode(tree, format="waffe2", no_such_option=1)
 
 
 def test_sniff() -> None:
@@ -1043,7 +1045,7 @@ def test_inspect_reads_headers(conformance: Path) -> None:
     w.inspect(sources)
     for name, src in sources.items():  # the .npy files: their 128-byte headers only
         assert src.bytes_read == (src.size if name == "parameters.json" else 128), name
-    buf = ptio.inspect_buffer(source_of(d), "waffe2")
+    buf = ptio.inspect_encoded(source_of(d), format="waffe2")
     assert [x.name for x in buf.entries][:2] == [
         "param:linearlayer.1.bias",
         "param:linearlayer.1.weights",
@@ -1138,7 +1140,7 @@ def test_malformed_parameters_json(text: bytes) -> None:
     with pytest.raises(FormatError):
         w.decode(src)
     with pytest.raises(FormatError):
-        ptio.inspect_buffer(src, "waffe2")
+        ptio.inspect_encoded(src, format="waffe2")
 
 
 class CountingSource(dict):  # type: ignore[type-arg]
@@ -1173,7 +1175,7 @@ def test_no_parameters_json() -> None:
 def pytreeio_written() -> dict[str, bytes]:
     tx = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
     state = {"params": tiny_params(), "opt_state": tx.init(tiny_params())}
-    return encoded_files(ptio.encode(state, "waffe2", dest="p", optimizers=True))
+    return encoded_files(ptio.encode(state, format="waffe2", dest="p", optimizers=True))
 
 
 @given(data=st.data())
@@ -1194,7 +1196,7 @@ def test_truncated_and_mutated_files_raise_only_pytreeio_errors(data: st.DataObj
         raw[at:at] = data.draw(st.binary(min_size=1, max_size=8))
     files[name] = bytes(raw)
     src = {k: memoryview(v) for k, v in files.items()}
-    for call in (lambda: w.decode(src), lambda: ptio.inspect_buffer(src, "waffe2")):
+    for call in (lambda: w.decode(src), lambda: ptio.inspect_encoded(src, format="waffe2")):
         with contextlib.suppress(PytreeioError):
             call()
     try:
@@ -1205,7 +1207,7 @@ def test_truncated_and_mutated_files_raise_only_pytreeio_errors(data: st.DataObj
 
 
 def test_registered() -> None:
-    fmt = ptio.formats()["waffe2"]
+    fmt = ptio.list_formats()["waffe2"]
     assert fmt.is_model_format and fmt.layout == ptio.DIRECTORY and fmt.suffixes == (".wf2model",)
     assert {
         "optimizers",

@@ -22,8 +22,6 @@ __all__ = [
     "UnknownFormatError",
     "EncodeError",
     "ConversionError",
-    "NetclMissingParamError",
-    "NetclShapeMismatchError",
 ]
 
 
@@ -181,14 +179,3 @@ class EncodeError(PytreeioError, TypeError):
 
     def __str__(self) -> str:
         return f"at {self.key_path!r}: {self.reason}" if self.key_path is not None else self.reason
-
-
-class NetclMissingParamError(MismatchError, KeyError):
-    """A parameter name is absent from a netcl checkpoint (netcl itself raises ``KeyError``)."""
-
-    def __str__(self) -> str:  # KeyError.__str__ would quote the message
-        return MismatchError.__str__(self)
-
-
-class NetclShapeMismatchError(MismatchError):
-    """A netcl checkpoint array's shape differs from the parameter's (netcl: ``ValueError``)."""

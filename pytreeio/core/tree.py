@@ -492,7 +492,7 @@ def _lists_from_index_dicts(node: Any, dense: bool) -> Any:
     return [items[("[", i)] for i in range(len(positions))]
 
 
-def unflatten(flat: Mapping[str, Any], like: Any = None) -> Any:
+def unflatten(flat: Mapping[str, Any], *, like: Any = None) -> Any:
     """Inverse of :func:`flatten`.
 
     Without ``like`` the tree is rebuilt from the keys alone (``[i]`` levels

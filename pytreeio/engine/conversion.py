@@ -1,6 +1,6 @@
 """Conversion between formats: the rules of the conversion matrix.
 
-:func:`pytreeio.convert` (files) and :func:`pytreeio.convert_buffer` (buffers,
+:func:`pytreeio.convert` (files) and :func:`pytreeio.convert_encoded` (buffers,
 no file system) decode the source and hand its native tree and meta to
 :func:`convert_decoded`, the one code path both share.  It knows no format by
 name: what a format can hold is read off its :class:`~pytreeio.core.records.Format`

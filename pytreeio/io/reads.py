@@ -173,13 +173,17 @@ class FileSource(Closing, ByteSource):
         self.size = os.fstat(self._fd).st_size
         self.bytes_read = 0
 
-    def _read(self, offset: int, n: int) -> memoryview:
+    def read(self, offset: int, n: int, field: str) -> memoryview:
+        """``n`` bytes at ``offset``; a :class:`FormatError` naming ``field`` (a tensor's name)
+        if the file is shorter, or was shortened since it was opened."""
+        self._check_range(offset, n, field)
         view = np.empty(n, dtype=np.uint8).data  # uninitialised: no zero-fill
-        _read_ranges(self._fd, view, offset, self.name, "data")
+        _read_ranges(self._fd, view, offset, self.name, field)
+        self.bytes_read += n
         return view
 
     def _check_range(self, offset: int, n: int, field: str) -> None:
-        if offset < 0 or offset + n > self.size:
+        if offset < 0 or n < 0 or offset + n > self.size:
             raise FormatError(
                 f"truncated: needs {n} bytes at offset {offset}, file has {self.size}",
                 path=self.name,

@@ -98,14 +98,25 @@ def open_source(
     rolling forward a save that died), so they are one save's files.
 
     Raises:
-      FileNotFoundError: nothing there (naming every file looked for).
+      FileNotFoundError: nothing there (naming every file looked for), or a symlink loop
+        (``errno`` ``ELOOP``, naming the link).
       FormatError: a directory where a file is expected, or the reverse.
     """
     p = Path(path)
-    if isinstance(layout, File):
-        return _open_file(p, mmap, headers)
-    if isinstance(layout, Directory):
-        return _open_dir(p, mmap, headers)
-    if isinstance(layout, Siblings):
-        return _open_siblings(p, layout, mmap, headers)
+    try:
+        if isinstance(layout, File):
+            return _open_file(p, mmap, headers)
+        if isinstance(layout, Directory):
+            return _open_dir(p, mmap, headers)
+        if isinstance(layout, Siblings):
+            return _open_siblings(p, layout, mmap, headers)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP or isinstance(exc, FileNotFoundError):
+            raise
+        # a symlink loop has no file at its end: what sniffing (which finds nothing) says
+        raise FileNotFoundError(
+            errno.ELOOP,
+            "Too many levels of symbolic links (a symlink loop: no file at its end)",
+            exc.filename if exc.filename is not None else os.fspath(p),
+        ) from None
     raise TypeError(f"unknown layout {layout!r}")

@@ -989,20 +989,59 @@ def _count_leaves(tree: Any) -> int | str:
 # --- JSON helpers shared by formats that keep optimizer state as JSON numbers ---
 
 
+def _nested_shape(value: Any, where: str) -> tuple[int, ...]:
+    """The shape of a nested list of numbers (or of equally shaped numeric arrays, the rows a
+    JSON parser made), checked level by level before any array is built: handed to numpy,
+    one string among the numbers would make an array of fixed-width strings, numbers x the
+    string's length x 4 bytes (gigabytes from a file of kilobytes)."""
+    shape: list[int] = []
+    level = [value]
+    while level:
+        first = level[0]
+        if all(type(v) is list for v in level):
+            n = len(first)
+            if any(len(v) != n for v in level):
+                raise FormatError(f"{where}: not a rectangular list of numbers", field=where)
+            shape.append(n)
+            level = [x for v in level for x in v]
+        elif all(isinstance(v, np.ndarray) for v in level):
+            if any(v.dtype.kind not in "fiu" for v in level):
+                bad = next(v.dtype for v in level if v.dtype.kind not in "fiu")
+                raise FormatError(f"{where}: expected numbers, found {bad} values", field=where)
+            if any(v.shape != first.shape for v in level):
+                raise FormatError(f"{where}: not a rectangular list of numbers", field=where)
+            return (*shape, *first.shape)
+        else:
+            for v in level:
+                if not _is_number(v):
+                    found = "lists and numbers mixed" if type(v) is list else describe_leaf(v)
+                    raise FormatError(f"{where}: expected numbers, found {found}", field=where)
+            return tuple(shape)
+    return tuple(shape)
+
+
+def _is_number(v: Any) -> bool:
+    if isinstance(v, bool | np.bool_):
+        return False
+    return isinstance(v, int | float | np.integer | np.floating)
+
+
 def nested_to_array(value: Any, shape: Sequence[int], where: str) -> np.ndarray:
-    """A JSON nested list of numbers as a float64 array of ``shape`` (strictly checked)."""
+    """A JSON nested list of numbers as a float64 array of ``shape`` (strictly checked, its
+    values' types before any array is built)."""
+    found = _nested_shape(value, where)
+    if found != tuple(shape):
+        raise MismatchError(
+            f"{where}: shape differs", key_path=where, expected=tuple(shape), found=found
+        )
     try:
         arr = np.array(value)
     except (ValueError, TypeError, OverflowError) as exc:
         raise FormatError(
             f"{where}: not a rectangular list of numbers ({exc})", field=where
         ) from None
-    if arr.dtype.kind not in "fiu" or (arr.size == 0 and tuple(shape) != arr.shape):
+    if arr.dtype.kind not in "fiu":  # integers beyond int64 make an object array
         raise FormatError(f"{where}: expected numbers, found {arr.dtype} values", field=where)
-    if arr.shape != tuple(shape):
-        raise MismatchError(
-            f"{where}: shape differs", key_path=where, expected=tuple(shape), found=arr.shape
-        )
     return arr.astype(np.float64)
 
 

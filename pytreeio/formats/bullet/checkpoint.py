@@ -31,6 +31,16 @@ Native tree ``{'weights': {id: f32 array}, 'momentum': ..., 'velocity': ...}``
 (+ ``'slow'``; optimiser entries when their files exist); ``meta``:
 ``saved_format`` (when given), ``steps`` ``{id: step}``, ``log`` (log.txt's
 text).  Models: :mod:`.models`.
+
+Training states keyed by bullet's own tensor ids (:mod:`.states`)::
+
+    {'params': {id: array}, 'opt_state': <optax adam/adamw state>, 'step': n}
+
+``params`` may be nested: a leaf's id is its key path joined (``{'l0': {'w': ...}}``
+is ``l0w``).  On save, ``mu``/``nu`` go to momentum.bin/velocity.bin by id and the
+count to every line of step.txt.  A load with such a ``like`` restores them (count
+from step.txt, or ``step=`` when the checkpoint has none).  Other optimizer states
+raise :class:`~pytreeio.core.errors.ConversionError`.
 """
 
 from __future__ import annotations
@@ -54,7 +64,8 @@ from pytreeio.core.records import (
     Format,
     Info,
 )
-from pytreeio.formats.bullet import layout, network, records
+from pytreeio.core.tree import restore as tree_restore
+from pytreeio.formats.bullet import layout, network, records, states
 from pytreeio.formats.bullet.layout import (
     TRANSFORMS,
     TYPES,
@@ -107,7 +118,8 @@ _META = ("saved_format", "steps", "log", "quantisation_error", REPORT)
 def _check_native(tree: Any) -> dict[str, dict[str, Any]]:
     if not isinstance(tree, Mapping) or "weights" not in tree:
         why = "a bullet checkpoint is {'weights': {id: array}, 'momentum': ..., 'velocity': ...}"
-        why += " (+ 'slow'); model-shaped trees go through the common model form"
+        why += " (+ 'slow'), a training state {'params': {id: array}, 'opt_state': ...}, or a"
+        why += " model-shaped tree (common model form)"
         raise EncodeError(why, key_path="")
     extra = sorted(str(k) for k in tree if k not in PARTS)
     if extra:
@@ -169,7 +181,10 @@ def _check_meta(meta: Any, ids: Mapping[str, Any]) -> tuple[list[layout.Spec], d
 
 def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, strict: bool = False) -> Encoded:
     """The files of a checkpoint directory for a native tree; ``meta``: ``saved_format``
-    (default: every tensor f32, model order), ``steps`` (``{id: step}``), ``log``."""
+    (default: every tensor f32, model order), ``steps`` (``{id: step}``), ``log``; ``tree``
+    may be a training state keyed by tensor ids (:mod:`.states`)."""
+    if states.parts(tree) is not None:
+        tree, meta = states.to_native(tree, meta)
     native = _check_native(tree)
     weights = native["weights"]
     specs, steps, log = _check_meta(meta, weights)
@@ -242,6 +257,14 @@ def decode(
 
         tree = {part: {k: array(s) for k, s in group.items()} for part, group in found.tree.items()}
     return Decoded(tree, found.meta)
+
+
+def restore(native: Any, meta: dict[str, Any], like: Any, *, step: int | None = None) -> Any:
+    """``native`` in ``like``'s structure: a training state keyed by tensor ids (:mod:`.states`;
+    ``step``: its count where the checkpoint has no step.txt), else the native tree's own."""
+    if states.parts(like) is not None:
+        return states.restore_state(native, meta, like, step)
+    return tree_restore(native, like)
 
 
 def _whole(source: Mapping[str, ByteSource], file: str) -> memoryview:
@@ -438,6 +461,7 @@ FORMAT = register(
         decode=decode,
         inspect=inspect,
         sniff=sniff,
+        restore=restore,
         to_model=to_model,
         from_model=from_model,
         slots=slots,

@@ -23,8 +23,8 @@ Two on-disk variants share version 1:
 =========== ======================================== ============== ==============
 variant     tensor ``layer<N>`` / JSON Linear names  weight dims    bias dims
 =========== ======================================== ============== ==============
-``seed``    N = position among all layers            ``[in, out]``  ``[out]`` or
-            (ReLU at 1 makes the next Linear 2)                     ``[1, out]``
+``seed``    N = position among all layers            ``[in, out]``  ``[1, out]`` or
+            (ReLU at 1 makes the next Linear 2)                     ``[out]``
 ``later``   N = position among Linear layers only;   ``[out, in]``  ``[out]``
             activations keep their position in JSON                (``[1, out]``
             names, so two layers can share a name                   read too)
@@ -44,7 +44,11 @@ Meta: the JSON document as parsed (floats stay floats, integers ints) plus
 :data:`FILE_KEY`: ``{"variant": "seed"|"later", "bias_2d": ["layer0", ...]}``
 naming the native layers whose bias the file stores as ``[1, out]``.  The
 writer consumes that key (it is not written into the JSON), so saving a
-loaded native tree with its meta reproduces the file byte for byte.
+loaded native tree with its meta reproduces the file byte for byte.  Without
+``bias_2d`` (or with one recorded for the other variant) biases are written
+as that variant's DataCode writes them: ``[1, out]`` in the seed variant
+(DataCode 2.1.0's ``save`` always does), ``[out]`` in the later one; a bias
+given as ``(1, out)`` is written ``[1, out]`` in either.
 
 Validation is stricter than DataCode's (which ignores trailing bytes and
 never compares tensors with the architecture): magic, version, UTF-8, strict
@@ -738,8 +742,9 @@ def _inferred_entries(tree: Any) -> list[Any]:
 
 def _document(
     tree: Any, meta: Mapping[str, Any] | None, variant: str
-) -> tuple[dict[str, Any], list[str]]:
-    """The JSON document to write for ``tree`` (layer list completed, defaults filled) and its bias_2d."""
+) -> tuple[dict[str, Any], list[str] | None]:
+    """The JSON document to write for ``tree`` (layer list completed, defaults filled) and its
+    bias_2d (None: the variant's own)."""
     meta = {} if meta is None else meta
     if not isinstance(meta, Mapping):
         raise MismatchError("meta must be a mapping (the DataCode document)", key_path="meta")
@@ -763,7 +768,15 @@ def _document(
     doc["layers"] = entries
     doc.setdefault("device", "cpu")
     doc.setdefault("training", empty_training())
-    return doc, list(record.get("bias_2d", []))
+    return doc, _bias_2d(record, variant)
+
+
+def _bias_2d(record: Mapping[str, Any], variant: str) -> list[str] | None:
+    """The layers whose bias ``record`` says a ``variant`` file stores as ``[1, out]``, or None
+    where it says nothing for ``variant`` (then the variant's own writer's shape is used)."""
+    if "bias_2d" not in record or record.get("variant", variant) != variant:
+        return None
+    return list(record["bias_2d"])
 
 
 # --------------------------------------------------------------------------
@@ -790,10 +803,13 @@ def encode(
     come from the arrays, ``device`` defaults to ``"cpu"`` and ``training`` to
     the untrained one; without ``layers`` the tree is all Linear layers.
     ``variant``: default the one ``meta`` records, else ``"seed"`` (the other
-    variant's canonical layer names are renamed).
+    variant's canonical layer names are renamed).  Biases are ``[1, out]`` in the seed
+    variant and ``[out]`` in the later one unless ``meta`` records ``bias_2d`` for the variant.
     """
     chosen = _resolve_variant(variant, meta)
     doc, bias_2d = _document(tree, meta, chosen)
+    # DataCode 2.1.0 (the seed variant's last writer) saves every bias [1, out]; later ones [out]
+    two_dims = set(bias_2d) if bias_2d is not None else None
     layers = _check_doc(doc, _meta_fail)
     arrays = _native_layers(tree, layers)
     try:
@@ -813,14 +829,14 @@ def encode(
     w.raw(text)
     w.u32(2 * len(arrays))
     types = [spec.type for spec in layers]
-    bias_2d_names = set(bias_2d)
     parts: list[Any] = []
     for pos, name in tensor_names(types, chosen):
         node = arrays[pos]
         weight = _host_f32(node["weight"], f"layer{pos}/weight")
         bias = _host_f32(node["bias"], f"layer{pos}/bias")
         out = layers[pos].out_features
-        bias_dims = (1, out) if bias.ndim == 2 or f"layer{pos}" in bias_2d_names else (out,)
+        listed = chosen == "seed" if two_dims is None else f"layer{pos}" in two_dims
+        bias_dims = (1, out) if bias.ndim == 2 or listed else (out,)
         parts += _tensor(f"{name}.weight", weight.T if chosen == "later" else weight)
         parts += _tensor(f"{name}.bias", bias.reshape(bias_dims))
     w.extend(parts, _F32)
@@ -1002,10 +1018,10 @@ def from_model(
     doc["layers"] = entries
     doc.setdefault("device", "cpu")
     doc.setdefault("training", empty_training())
-    doc[FILE_KEY] = {
-        "variant": chosen,
-        "bias_2d": [n for n in record.get("bias_2d", []) if n in linear],
-    }
+    doc[FILE_KEY] = {"variant": chosen}
+    bias_2d = _bias_2d(record, chosen)
+    if bias_2d is not None:  # else the variant's own writer's bias shape
+        doc[FILE_KEY]["bias_2d"] = [n for n in bias_2d if n in linear]
     return native, doc
 
 

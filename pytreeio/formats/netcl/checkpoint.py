@@ -44,10 +44,9 @@ from pytreeio.core.errors import (
     EncodeError,
     FormatError,
     MismatchError,
-    NetclMissingParamError,
-    NetclShapeMismatchError,
 )
 from pytreeio.core.records import STRUCTURE, Decoded, Encoded, Entry, Format, Info, Probe, Siblings
+from pytreeio.formats.netcl.errors import NetclMissingParamError, NetclShapeMismatchError
 from pytreeio.formats.netcl.naming import META_KEY, check_types, host, read_npz, to_common, to_netcl
 from pytreeio.formats.registry import register
 from pytreeio.model.form import Model, refuse_or_warn, training_state
@@ -435,13 +434,24 @@ def _sidecar(raw: Any, name: str) -> dict[str, Any]:
     return {k: rows.resolve(v, arrays=k == "optim_state") for k, v in doc.items()}
 
 
+def _sidecar_state(doc: Mapping[str, Any], params: list[Any]) -> dict[str, Any]:
+    """:func:`_decode_optim_state` of the sidecar's ``optim_state``; its errors name the sidecar
+    (the I/O layer puts the role's file in their place)."""
+    try:
+        return _decode_optim_state(doc.get("optim_state", {}), params)
+    except FormatError as exc:
+        if exc.path is None:
+            exc.path = "json"
+        raise
+
+
 def _decode_checkpoint(source: Mapping[str, Any], *, verify_crc: bool = True) -> Decoded:
     if "npz" not in source:
         raise FormatError("no parameter .npz", field="npz")
     params = read_npz(source, "npz", verify_crc)
     doc = _sidecar(as_memoryview(source["json"]), "json") if "json" in source else {}
     config = doc.get("config", {})
-    state = _decode_optim_state(doc.get("optim_state", {}), list(params.values()))
+    state = _sidecar_state(doc, list(params.values()))
     return Decoded({"params": params, "optim_state": state, "config": config}, {"config": config})
 
 
@@ -456,7 +466,7 @@ def _slots_checkpoint(source: Mapping[str, ByteSource], *, verify_crc: bool = Tr
         doc = _sidecar(js.read(0, js.size, "json"), "json")
     config = doc.get("config", {})
     # the moments are shaped like the parameters: slots carry shape and dtype
-    state = _decode_optim_state(doc.get("optim_state", {}), list(params.values()))
+    state = _sidecar_state(doc, list(params.values()))
     return Slots({"params": params, "optim_state": state, "config": config}, {"config": config})
 
 
