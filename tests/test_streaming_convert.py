@@ -135,7 +135,9 @@ def test_without_checksums_and_safetensors_onward(tmp_path: Path) -> None:
     ptio.save(src, params, format="datacode")
     check_identical(src, tmp_path / "a.safetensors", "datacode", "safetensors", checksum=False)
     assert "pytreeio.xxh3_64" not in ptio.inspect(tmp_path / "a.safetensors").meta
-    if ptio.list_formats()["safetensors"].slots is not None:  # safetensors -> safetensors streams too
+    if (
+        ptio.list_formats()["safetensors"].slots is not None
+    ):  # safetensors -> safetensors streams too
         check_identical(
             tmp_path / "a.safetensors", tmp_path / "b.safetensors", "safetensors", "safetensors"
         )
