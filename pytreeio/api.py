@@ -1,8 +1,8 @@
 """The public functions: save, load, inspect, verify, convert, encode, decode.
 
-Each is a thin call into the engine (:mod:`pytreeio.engine.dispatch`: choosing
+Each is a thin call into the engine (`pytreeio.engine.dispatch`: choosing
 a format, routing options, the common model form, restoring into ``like``) and
-:mod:`pytreeio.io` (the files).  It knows nothing about any particular format.
+`pytreeio.io` (the files).  It knows nothing about any particular format.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ T = TypeVar("T")
 
 def list_formats() -> dict[str, Format]:
     """Every format pytreeio knows, by name: the built-in ones, those given to
-    :func:`register`, and installed plug-ins (entry-point group ``pytreeio.formats``)."""
+    `register`, and installed plug-ins (entry-point group ``pytreeio.formats``)."""
     return registry.formats()
 
 
@@ -62,9 +62,9 @@ def encode(
     dest: PathLike | None = None,
     **options: Any,
 ) -> Encoded:
-    """:func:`save` without the file system: ``tree`` encoded in ``format``.
+    """`save` without the file system: ``tree`` encoded in ``format``.
 
-    Same tree, ``meta`` and options as :func:`save`.  ``dest`` is the path the
+    Same tree, ``meta`` and options as `save`.  ``dest`` is the path the
     bytes are meant for, for formats that record it (cl-waffe2 writes it into
     ``parameters.json``); nothing is written there.  ``Encoded.files`` holds the
     bytes: one buffer for a single-file format, role/relative path -> buffer
@@ -83,12 +83,12 @@ def decode(
     verify: bool = False,
     **options: Any,
 ) -> Any:
-    """:func:`load` without the file system: the tree an encoding holds.
+    """`load` without the file system: the tree an encoding holds.
 
-    ``data`` is an :class:`Encoded`, a buffer (``bytes``, ``memoryview``, a
+    ``data`` is an `Encoded`, a buffer (``bytes``, ``memoryview``, a
     numpy array) for a single-file format, or a mapping role/relative path ->
-    buffer for sibling and directory formats, as :func:`encode` returns them.
-    ``like``, ``partial``, ``verify`` and the options are those of :func:`load`.
+    buffer for sibling and directory formats, as `encode` returns them.
+    ``like``, ``partial``, ``verify`` and the options are those of `load`.
     """
     return decode_with_meta(
         data, format=format, like=like, partial=partial, verify=verify, **options
@@ -105,7 +105,7 @@ def decode_with_meta(
     verify: bool = False,
     **options: Any,
 ) -> tuple[Any, dict[str, Any]]:
-    """:func:`decode`, and the meta document of the encoding (as :func:`load_with_meta`)."""
+    """`decode`, and the meta document of the encoding (as `load_with_meta`)."""
     from pytreeio.core.tree import partial_restore
 
     _check_partial(partial, like)
@@ -182,15 +182,15 @@ def load(
         truncates while it is mapped kills the process with SIGBUS when a
         missing page is touched (by the load or by the arrays later).  By
         default a load reads into fresh memory and a file truncated
-        meanwhile is a :class:`FormatError`.
+        meanwhile is a `FormatError`.
       verify: check the checkpoint's checksums before returning it: the
         per-tensor checksums of pytreeio's safetensors files and the
-        manifest (:mod:`pytreeio.integrity`) when there is one.  Off by
+        manifest (`pytreeio.integrity`) when there is one.  Off by
         default: a plain load hashes nothing.
       partial: restore only the entries ``like`` names (a subtree: the
         file may hold more; an entry of ``like`` the file lacks is still a
-        :class:`MismatchError`).  Formats with a ``slots`` function read only
-        those entries' bytes (see :func:`pytreeio.open`).
+        `MismatchError`).  Formats with a ``slots`` function read only
+        those entries' bytes (see `pytreeio.open`).
       **options: the format's load options; others raise ``TypeError``.
 
     Raises:
@@ -214,9 +214,9 @@ def load_with_meta(
     partial: bool = False,
     **options: Any,
 ) -> tuple[Any, dict[str, Any]]:
-    """:func:`load`, and the checkpoint's meta document: ``(tree, meta)``.
+    """`load`, and the checkpoint's meta document: ``(tree, meta)``.
 
-    The meta is the format's non-tensor information (what :func:`save` took
+    The meta is the format's non-tensor information (what `save` took
     as ``meta``, and what the format reads from its files).
     """
     from pytreeio.core.tree import partial_restore
@@ -270,7 +270,7 @@ def inspect(path: PathLike, *, format: str | Format | None = None) -> Info:
 
 @keywords_explained
 def inspect_encoded(data: Any, *, format: str | Format) -> Info:
-    """:func:`inspect` without the file system (``data`` as for :func:`decode`)."""
+    """`inspect` without the file system (``data`` as for `decode`)."""
     fmt = registry.get(format)
     source = dispatch.as_source(data)
     if isinstance(source, Mapping):
@@ -299,15 +299,15 @@ def convert(
     source's native tree and meta go as they are, with the source format's
     name under the meta key ``"pytreeio.format"``, so the file converts
     onward as the source would; into msgpack the model's Flax variables go.
-    The rules are in :mod:`pytreeio.engine.conversion`; :func:`convert_encoded` is the
+    The rules are in `pytreeio.engine.conversion`; `convert_encoded` is the
     same conversion on encodings in memory.
 
     The source's meta is carried over unless ``meta`` is given.  Each option
     goes to the source's load functions and/or the target's save functions
     that declare it; an option neither declares raises ``TypeError``.  What
-    the target cannot hold raises :class:`ConversionError` naming it, before
+    the target cannot hold raises `ConversionError` naming it, before
     anything is written; ``lossy=True`` drops it with a
-    :class:`PytreeioWarning` listing what was dropped.
+    `PytreeioWarning` listing what was dropped.
     """
     from pytreeio.engine import conversion as conv
 
@@ -356,17 +356,17 @@ def convert_encoded(
     dest: PathLike | None = None,
     **options: Any,
 ) -> Encoded:
-    """:func:`convert` without the file system: an encoding in ``from_`` -> an :class:`Encoded` in ``to``.
+    """`convert` without the file system: an encoding in ``from_`` -> an `Encoded` in ``to``.
 
-    ``data`` is ``bytes`` (or any buffer, or an :class:`Encoded`) for a
+    ``data`` is ``bytes`` (or any buffer, or an `Encoded`) for a
     single-file format, or a mapping of role/relative path -> buffer for
     sibling and directory formats (``{"npz": ..., "json": ...}``,
     ``{"raw.bin": ..., "optimiser_state/weights.bin": ...}``), as
-    :func:`encode` returns them in ``Encoded.files``.  ``dest`` is the path
+    `encode` returns them in ``Encoded.files``.  ``dest`` is the path
     the result is meant for (cl-waffe2 records it); nothing is written.  A
     partly failed encoding (bullet's quantisation) comes back with its
     errors in ``Encoded.deferred``.  Same rules, options and errors as
-    :func:`convert`: it is the same code path.
+    `convert`: it is the same code path.
     """
     from pytreeio.engine import conversion as conv
 
@@ -392,7 +392,7 @@ def convert_encoded(
 def _decode_verified(
     path: PathLike, format: str | Format | None, mmap: bool, options: Mapping[str, Any]
 ) -> tuple[Format, Any, dict[str, Any]]:
-    """:func:`dispatch.decode_path` with the format's checksums checked, then the manifest if any."""
+    """`dispatch.decode_path` with the format's checksums checked, then the manifest if any."""
     from pytreeio import integrity
 
     fmt = dispatch.format_for_load(path, format)
@@ -405,12 +405,12 @@ def _decode_verified(
 
 @keywords_explained
 def verify(path: PathLike, *, format: str | Format | None = None, **options: Any) -> Info:
-    """Decode a whole checkpoint (every byte checked) and return its :class:`Info`.
+    """Decode a whole checkpoint (every byte checked) and return its `Info`.
 
     ``options`` are the format's load options.  Checksums are checked: the
     per-tensor ones of pytreeio's safetensors files and the checkpoint's
-    manifest when it has one (:mod:`pytreeio.integrity`); a mismatch is a
-    :class:`FormatError` naming the tensor (``field``, with its data
+    manifest when it has one (`pytreeio.integrity`); a mismatch is a
+    `FormatError` naming the tensor (``field``, with its data
     ``offset``) or the file and directory member.  The returned meta
     reports NaNs and infinities of floating entries of the native tree as
     ``info.meta["nonfinite"] = {entry: {"nan": n, "inf": m}}`` (only entries

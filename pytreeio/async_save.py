@@ -1,16 +1,16 @@
-"""Saves that write in the background: :func:`save_async` and :func:`wait_saves`.
+"""Saves that write in the background: `save_async` and `wait_saves`.
 
 ``save_async`` does on the caller's thread everything that can fail because
 of the tree (choosing the format, checking options, encoding: an
-:class:`~pytreeio.core.errors.EncodeError` raises before it returns) and takes a
+`pytreeio.core.errors.EncodeError` raises before it returns) and takes a
 snapshot of the bytes to write: jax arrays are fetched to the host (every
 ``copy_to_host_async`` is started before the first is waited for), and every
 array buffer the encoding refers to is copied, numpy arrays included, so the
 caller may change its tree as soon as the call returns.  The atomic write
 and its fsyncs then run on a background thread; the returned
-:class:`SaveFuture`'s ``result()`` re-raises what the write raised.
+`SaveFuture`'s ``result()`` re-raises what the write raised.
 
-Ordering: saves to one destination (async or :func:`pytreeio.save`, same
+Ordering: saves to one destination (async or `pytreeio.save`, same
 resolved path) happen in the order they were made; each waits for the one
 before it.  Across processes the destination's file lock serialises saves
 as it does for synchronous ones.
@@ -18,13 +18,13 @@ as it does for synchronous ones.
 Memory: each pending save holds its snapshot (about the tree's size) until it
 is written.  Together they are bounded: a ``save_async`` whose snapshot would
 take the bytes held by pending saves past ``max_pending_bytes`` (by default
-:data:`MAX_PENDING_BYTES`) waits, before copying anything, until enough of
+`MAX_PENDING_BYTES`) waits, before copying anything, until enough of
 them are written; one larger than the bound waits until none is pending, then
 goes ahead alone.  So snapshots hold at most ``max(max_pending_bytes, the
 largest snapshot)`` bytes, and a training loop that saves faster than the disk
 writes slows down to the disk's pace instead of filling memory.
 
-:func:`wait_saves` waits for every pending save; it also runs at interpreter
+`wait_saves` waits for every pending save; it also runs at interpreter
 exit, so a program that ends right after ``save_async`` still writes its last
 checkpoint (a failure then is printed to stderr, nobody being left to see it).
 """
@@ -68,10 +68,10 @@ MAX_PENDING_BYTES = 4 << 30
 
 
 class SaveFuture(Future[None]):
-    """The pending write of :func:`save_async`; ``result()`` re-raises its error.
+    """The pending write of `save_async`; ``result()`` re-raises its error.
 
     It cannot be cancelled.  A failure nobody has looked at (through ``result()`` or ``exception()``)
-    is raised by :func:`wait_saves`, and printed at interpreter exit.
+    is raised by `wait_saves`, and printed at interpreter exit.
     """
 
     def __init__(self, path: str) -> None:
@@ -131,7 +131,7 @@ def wait_for(path: PathLike) -> None:
 
 
 def wait_saves(*, timeout: float | None = None) -> None:
-    """Wait for every pending :func:`save_async`; raise the first failure nobody has seen.
+    """Wait for every pending `save_async`; raise the first failure nobody has seen.
 
     Raises ``TimeoutError`` if saves are still running after ``timeout`` seconds.
     """
@@ -156,7 +156,7 @@ def _snapshot(encoded: Encoded) -> Encoded:
 
     ``bytes`` chunks are immutable and kept; the rest (views of the caller's
     arrays, or of host copies of jax arrays) are copied into one allocation
-    per file.  :class:`~pytreeio.core.binary.Deferred` chunks (the shards of an
+    per file.  `pytreeio.core.binary.Deferred` chunks (the shards of an
     array spread over several devices, streamed tensors) read the caller's
     arrays, so they are produced now, in file order (checksums of streamed
     data are taken as it comes), each copied into the allocation and dropped
@@ -310,7 +310,7 @@ def save_async(
     max_pending_bytes: int | None = None,
     **options: Any,
 ) -> SaveFuture:
-    """:func:`pytreeio.save` whose write and fsyncs run in the background.
+    """`pytreeio.save` whose write and fsyncs run in the background.
 
     Returns once the tree is encoded and its bytes are copied (jax arrays
     fetched from their devices, numpy arrays copied): the caller may then
@@ -319,10 +319,10 @@ def save_async(
     errors of the write (``OSError``, a full disk) raise from the returned
     future's ``result()``.  Saves to the same destination, asynchronous or
     not, happen in the order they were made.  Same arguments as
-    :func:`pytreeio.save`, and:
+    `pytreeio.save`, and:
 
     ``max_pending_bytes``: a bound on the memory the snapshots of pending
-    saves hold (this one's included); ``None`` takes :data:`MAX_PENDING_BYTES`
+    saves hold (this one's included); ``None`` takes `MAX_PENDING_BYTES`
     (4 GiB).  When this save's snapshot would go past it, the call waits,
     after encoding and before copying anything, until enough earlier saves are
     written; a snapshot larger than the bound waits until no save is pending.

@@ -12,7 +12,7 @@ one line ``pytreeio: warning: ...`` each, without Python's source line.
 
 ``convert``, ``verify`` and ``diff`` show a transient progress display on
 stderr when it is a terminal and the checkpoints are over 100 MB
-(:mod:`pytreeio.progress`).
+(`pytreeio.progress`).
 
 ``inspect`` and ``formats`` import neither jax, flax, optax nor rich;
 ``demo`` needs the ``flax`` extra (``pip install 'pytreeio[flax]'``).
@@ -199,7 +199,7 @@ def _check_suffix(dst: str, target: Format, force: bool) -> None:
 def _activity(
     args: argparse.Namespace, description: str, *paths: str, counters: bool = True
 ) -> Iterator[None]:
-    """The progress display for work on the checkpoints at ``paths`` (see :mod:`pytreeio.progress`)."""
+    """The progress display for work on the checkpoints at ``paths`` (see `pytreeio.progress`)."""
     if args.quiet:
         yield
         return

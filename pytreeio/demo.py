@@ -13,7 +13,7 @@ synthetic data for ``steps`` steps.  Then:
    A small Tiny Llama goes through its weight file and must generate the
    same tokens.  Every time in the table is measured.
 2. **A conversion chain** netcl -> DataCode -> cl-waffe2 -> bullet -> msgpack,
-   each file compared with the first by :func:`pytreeio.diff.diff` through
+   each file compared with the first by `pytreeio.diff.diff` through
    the common model form: every parameter must be identical.
 3. **Resuming from a foreign checkpoint**: training continues from the
    bullet checkpoint with optax and the loss keeps falling.

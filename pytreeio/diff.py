@@ -1,6 +1,6 @@
 """Compare two checkpoints, of the same format or of any two formats.
 
-:func:`diff` loads both checkpoints and compares them entry by entry (one
+`diff` loads both checkpoints and compares them entry by entry (one
 pair of arrays at a time, in chunks: nothing is concatenated), reporting per
 entry whether it is missing on either side, whether shapes or dtypes differ,
 how many elements differ, and the largest absolute and relative difference.
@@ -15,7 +15,7 @@ arrays (Flax orientation) as ``layers[0].kernel``, the optimizer slots as
 ``opt.mu[0]`` (by parameter position), the step count as ``opt.count``.  A
 generic checkpoint holding a Flax tree compares with a model format the same
 way (with the other side's layer list), and a safetensors file carrying a
-model format's native tree (what :func:`pytreeio.convert` writes) compares as
+model format's native tree (what `pytreeio.convert` writes) compares as
 that format.  ``through_model=True``/``False`` forces either way.
 
 Activations are not stored by every format (bullet and netcl-checkpoint keep
@@ -86,7 +86,7 @@ class EntryDiff:
 
     Attributes:
       key: the entry's key (a flattened key path, or ``layers[0].kernel``-style).
-      status: one of :data:`STATUSES`.
+      status: one of `STATUSES`.
       shape_a, shape_b, dtype_a, dtype_b: each side's (None when absent).
       size: elements compared (0 when shapes differ or a side is missing).
       n_different: elements whose bytes differ (between dtypes: whose values differ).
@@ -151,10 +151,10 @@ class EntryDiff:
 
 @dataclass(frozen=True)
 class DiffReport:
-    """The result of :func:`diff`.
+    """The result of `diff`.
 
     Attributes:
-      a, b: the checkpoints compared (paths, or labels for :func:`diff_trees`).
+      a, b: the checkpoints compared (paths, or labels for `diff_trees`).
       format_a, format_b: their formats.
       mode: ``"native"`` (native trees by key path) or ``"model"`` (the common model form).
       atol, rtol: the tolerances.
@@ -468,7 +468,7 @@ def _native_entries(
 
 
 def _model_of(fmt: Format, native: Any, meta: Mapping[str, Any], hint: Any = None) -> Any:
-    """The :class:`~pytreeio.model.form.Model` of a checkpoint (generic formats: of its Flax tree)."""
+    """The `pytreeio.model.form.Model` of a checkpoint (generic formats: of its Flax tree)."""
     if fmt.to_model is not None:
         return fmt.to_model(native, meta)
     params = _flax_params(native)
@@ -631,7 +631,7 @@ def diff(
         trees (False), or decide from the formats (None, the default).
 
     Returns:
-      a :class:`DiffReport`; ``report.ok`` is what the command's exit status says.
+      a `DiffReport`; ``report.ok`` is what the command's exit status says.
 
     Raises:
       PytreeioError: a checkpoint cannot be read, or has no model form when
@@ -671,7 +671,7 @@ def diff_trees(
     label_a: str = "A",
     label_b: str = "B",
 ) -> DiffReport:
-    """:func:`diff` of two native trees already in memory (e.g. from :func:`pytreeio.decode`)."""
+    """`diff` of two native trees already in memory (e.g. from `pytreeio.decode`)."""
     container_a, container_b = registry.get(format_a), registry.get(format_b)
     notes: list[str] = []
     # a generic file carrying a model format's native tree (a netcl file converted to

@@ -5,18 +5,18 @@ package, imported only when a checksum is computed), written as 16 lower-case
 hex digits.  XXH3 hashes a numpy array's own buffer (no copy) at memory
 speed, several GB/s per core.
 
-**Per-tensor checksums (safetensors).**  :mod:`pytreeio.formats.safetensors`
+**Per-tensor checksums (safetensors).**  `pytreeio.formats.safetensors`
 records one checksum per tensor in ``__metadata__["pytreeio.xxh3_64"]`` while
 encoding (a JSON object ``{tensor name: hex}``; ``checksum=False`` on save
 leaves it out).  ``ptio.verify(path)`` and ``ptio.load(path, verify=True)``
-check them and raise :class:`~pytreeio.core.errors.FormatError` with ``field`` =
+check them and raise `pytreeio.core.errors.FormatError` with ``field`` =
 the tensor's name and ``offset`` = the start of its data in the file.  Files
 written by other tools carry none and are not checked; a plain ``load``
 never hashes anything.
 
 **Manifests (any format).**  Formats with no place for a checksum (Tiny
 Llama, DataCode, bullet, cl-waffe2, ...) get a sidecar JSON document that the
-original systems ignore, written on request by :func:`write_manifest` (or
+original systems ignore, written on request by `write_manifest` (or
 ``pytreeio checksum PATH``):
 
 * a single-file checkpoint ``model.bin``: ``model.bin.pytreeio-sum.json``
@@ -31,17 +31,17 @@ original systems ignore, written on request by :func:`write_manifest` (or
 
 The manifest records the size and checksum of every file of the checkpoint
 (for a directory, every regular file below it except the manifest).
-:func:`check_manifest` (called by ``ptio.verify`` and ``ptio.load(...,
+`check_manifest` (called by ``ptio.verify`` and ``ptio.load(...,
 verify=True)`` when a manifest is present) raises ``FormatError`` naming the
 file, and for directories the member (``field``), that is missing, added,
 resized or changed, so a sidecar left stale by a later save of a single file
 is detected, never trusted.  The manifest is written atomically with
-:func:`pytreeio.io.write_file_atomic`; reading it is bounded like any other
+`pytreeio.io.write_file_atomic`; reading it is bounded like any other
 JSON document pytreeio reads.  A save racing a check can make the check
 fail; it never makes it pass for bytes that were not recorded.
 
-**NaN/inf report.**  :func:`nonfinite_counts` counts NaNs and infinities of
-every floating leaf of a tree, in chunks of :data:`CHUNK_ELEMENTS` elements
+**NaN/inf report.**  `nonfinite_counts` counts NaNs and infinities of
+every floating leaf of a tree, in chunks of `CHUNK_ELEMENTS` elements
 (bounded extra memory); ``ptio.verify`` reports them as
 ``info.meta["nonfinite"] = {entry: {"nan": n, "inf": m}}`` for the entries
 that have any.
@@ -83,7 +83,7 @@ MANIFEST_NAME = "pytreeio-sum.json"
 #: Appended to a single file's name for its sidecar manifest.
 SIDECAR_SUFFIX = ".pytreeio-sum.json"
 MANIFEST_VERSION = 1
-#: Elements examined at a time by :func:`nonfinite_counts`.
+#: Elements examined at a time by `nonfinite_counts`.
 CHUNK_ELEMENTS = 1 << 22
 _READ_CHUNK = 16 << 20
 #: The largest manifest read (a manifest is ~100 bytes per file).
@@ -219,7 +219,7 @@ def check_manifest(path: str | os.PathLike[str], format: Any = None) -> bool:
     """Check the checkpoint at ``path`` against its manifest, if it has one.
 
     Returns ``False`` when there is no manifest, ``True`` when every file
-    matches.  Raises :class:`FormatError` (``path`` = the file, ``field`` =
+    matches.  Raises `FormatError` (``path`` = the file, ``field`` =
     its name in the manifest: a directory member's relative path) for a file
     that is missing, unrecorded, resized or changed, and for a malformed
     manifest.
@@ -241,10 +241,10 @@ def check_manifest(path: str | os.PathLike[str], format: Any = None) -> bool:
 
 
 def check_manifest_buffers(manifest: bytes, files: Mapping[str, Any], where: str = "") -> None:
-    """:func:`check_manifest` over buffers: ``manifest`` is the document, ``files`` the
+    """`check_manifest` over buffers: ``manifest`` is the document, ``files`` the
     checkpoint's files by their names in it (for a directory, relative paths).
 
-    Raises the same :class:`FormatError` s, naming ``where`` as the manifest and
+    Raises the same `FormatError` s, naming ``where`` as the manifest and
     each file by its name.
     """
     recorded = parse_manifest(manifest, where or MANIFEST_NAME)
@@ -326,7 +326,7 @@ def _count(arr: np.ndarray) -> tuple[int, int]:
 def nonfinite_counts(tree: Any) -> dict[str, dict[str, int]]:
     """``{entry: {"nan": n, "inf": m}}`` for the floating leaves of ``tree`` that have any.
 
-    Entries are canonical key strings (:func:`pytreeio.flatten`); Python
+    Entries are canonical key strings (`pytreeio.flatten`); Python
     floats count as float64 scalars; other leaves are skipped.
     """
     from pytreeio.core.tree import flatten_named

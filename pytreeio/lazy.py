@@ -1,19 +1,19 @@
-"""Lazy, partial reads of a checkpoint: :func:`open` and the partial ``load``.
+"""Lazy, partial reads of a checkpoint: `open` and the partial ``load``.
 
-``pytreeio.open(path)`` returns a :class:`Checkpoint`, a read-only mapping of
+``pytreeio.open(path)`` returns a `Checkpoint`, a read-only mapping of
 flattened native key -> array that reads each tensor's bytes only when it is
 asked for.  It rests on a format's ``slots`` function (see
-:class:`pytreeio.core.binary.Slot`): where every array of the native tree lies,
+`pytreeio.core.binary.Slot`): where every array of the native tree lies,
 found from the headers alone.  Formats without one decode the whole checkpoint
-once, on first access to anything but :attr:`Checkpoint.info`.
+once, on first access to anything but `Checkpoint.info`.
 
 The files are opened once, under the same shared lock and journal recovery as
-``load`` (:func:`pytreeio.io.open_source`), and the descriptors are held until
-:meth:`Checkpoint.close`: a save that replaces the checkpoint meanwhile is not
+``load`` (`pytreeio.io.open_source`), and the descriptors are held until
+`Checkpoint.close`: a save that replaces the checkpoint meanwhile is not
 seen, so a view never mixes an old file with a new one.
 
 ``open(path, verify=True)`` checks what the checkpoint records about the
-bytes it reads (see :func:`open` for what, per format).
+bytes it reads (see `open` for what, per format).
 
 ``load(path, like=subtree, partial=True)`` goes through the same view: with a
 ``slots`` function and a native-shaped ``like`` only the entries ``like``
@@ -58,7 +58,7 @@ _PARALLEL_SLOTS = 4
 
 
 class _Sources(io.FilesOf[io.FileSet]):
-    """One :class:`pytreeio.io.FileSource` per file of a :class:`pytreeio.io.FileSet`, kept open."""
+    """One `pytreeio.io.FileSource` per file of a `pytreeio.io.FileSet`, kept open."""
 
     def __init__(self, files: io.FileSet) -> None:
         super().__init__(files)
@@ -90,7 +90,7 @@ class _Whole(io.FilesOf[_Sources]):
 
 
 class _Bound(LazyLeaf):
-    """A slot with the source it reads from: a leaf that :func:`pytreeio.core.tree.restore` reads."""
+    """A slot with the source it reads from: a leaf that `pytreeio.core.tree.restore` reads."""
 
     __slots__ = ("_ck", "dtype", "shape", "slot")
 
@@ -113,10 +113,10 @@ class _Bound(LazyLeaf):
 
 
 class Checkpoint(Mapping[str, Any]):
-    """A lazy, read-only view of a checkpoint; see :func:`open`.
+    """A lazy, read-only view of a checkpoint; see `open`.
 
     As a mapping: flattened native key (``params/Dense_0/kernel``, as
-    :func:`pytreeio.flatten` and ``inspect`` name them) -> the array, read
+    `pytreeio.flatten` and ``inspect`` name them) -> the array, read
     when accessed (non-array leaves -- Python scalars, strings -- come as
     ``decode`` returns them).
     """
@@ -133,7 +133,7 @@ class Checkpoint(Mapping[str, Any]):
         fmt = dispatch.format_for_load(path, format)
         fmt.check_options(options, "load")
         self._fmt = fmt
-        #: Whether reads are checked (see :func:`open`).
+        #: Whether reads are checked (see `open`).
         self.verify = bool(verify)
         self._options = {**options, **_verify_options(fmt, options)} if verify else dict(options)
         opened = io.open_source(path, fmt.layout, headers=True)
@@ -245,6 +245,7 @@ class Checkpoint(Mapping[str, Any]):
     def __contains__(self, key: object) -> bool:
         return key in self._entries()
 
+    @keywords_explained
     def load(self, *, like: Any = None, prefix: str | None = None, partial: bool = True) -> Any:
         """The native subtree under ``prefix`` (all of it by default), read now.
 
@@ -252,7 +253,7 @@ class Checkpoint(Mapping[str, Any]):
         ``load`` does; ``like`` is never modified) and only the entries that
         end up in the result are read.  ``partial`` (default here) lets
         ``like`` name fewer entries than the subtree holds; an entry of
-        ``like`` the file lacks is a :class:`MismatchError` either way.
+        ``like`` the file lacks is a `MismatchError` either way.
         """
         native = self._native()
         path: tuple[Any, ...] = ()
@@ -377,17 +378,17 @@ def open(
       ``verify=True`` refuses ``verify_crc=False``).
     * formats whose ``decode``/``slots`` take a ``verify`` option (bullet):
       it is passed on, with what it checks.
-    * the checkpoint's manifest (:mod:`pytreeio.integrity`), if it has one:
+    * the checkpoint's manifest (`pytreeio.integrity`), if it has one:
       every file is hashed when the view opens (read once, whole).
 
-    A mismatch raises :class:`FormatError` naming the file, the tensor
+    A mismatch raises `FormatError` naming the file, the tensor
     (``field``) and its data ``offset`` (a manifest mismatch: the file).
     A format that records nothing about its data (msgpack, Tiny Llama, ...
     with no manifest) has nothing more to check; its framing is checked on
     every read, with or without ``verify``.
 
-    Raises as ``load`` does: ``FileNotFoundError``, :class:`UnknownFormatError`,
-    :class:`FormatError` for malformed headers (tensor data is checked when read).
+    Raises as ``load`` does: ``FileNotFoundError``, `UnknownFormatError`,
+    `FormatError` for malformed headers (tensor data is checked when read).
     """
     return Checkpoint(path, format, options, verify)
 

@@ -1,13 +1,13 @@
-"""Saves in parts: one checkpoint file written by every process of a job (:func:`save_in_parts`).
+"""Saves in parts: one checkpoint file written by every process of a job (`save_in_parts`).
 
 Sharded arrays as leaves (saved shard by shard, loaded device by device) are
-:mod:`pytreeio.core.shards`; this module adds the protocol between processes.
+`pytreeio.core.shards`; this module adds the protocol between processes.
 
 Every process encodes the tree
 with its sharded leaves as placeholders, which fixes the whole file's layout
 from the global shapes alone; the processes check that their layouts agree.
 The primary process (index 0) then creates the temporary file at its full
-size under the lock on the destination's directory (:func:`pytreeio.io.file_in_parts`); each
+size under the lock on the destination's directory (`pytreeio.io.file_in_parts`); each
 process ``pwrite``\\ s the byte ranges of the shards it holds (replica 0 only)
 and the primary everything else; after a barrier the primary reads back the
 sharded data to finish checksums recorded in a header (safetensors), writes
@@ -15,9 +15,9 @@ that header, fsyncs and renames the file over the destination: readers see
 the old or the new checkpoint, never a mix.  Formats whose files cannot be
 written in parts are written by the primary alone when every array is fully
 held there, and refused otherwise.  The processes talk through a
-:class:`Coordinator` (``exchange``: every process's message to every
-process); :class:`JaxCoordinator` uses ``jax.distributed``, tests pass
-threads (:func:`thread_group`).
+`Coordinator` (``exchange``: every process's message to every
+process); `JaxCoordinator` uses ``jax.distributed``, tests pass
+threads (`thread_group`).
 
 jax is imported only by the functions that need it.
 """
@@ -90,7 +90,7 @@ class Coordinator(Protocol):
 
 
 class JaxCoordinator:
-    """A :class:`Coordinator` over ``jax.distributed`` (messages go through a small all-gather)."""
+    """A `Coordinator` over ``jax.distributed`` (messages go through a small all-gather)."""
 
     def __init__(self) -> None:
         import jax
@@ -124,7 +124,7 @@ class _Alone:
 
 
 class _ThreadCoordinator:
-    """One of :func:`thread_group`'s coordinators."""
+    """One of `thread_group`'s coordinators."""
 
     def __init__(
         self, index: int, count: int, shared: dict[str, Any], timeout: float, devices: Any
@@ -166,7 +166,7 @@ def thread_group(
 
 
 def default_coordinator() -> Coordinator:
-    """:class:`JaxCoordinator` in a multi-process jax job, else a single process's."""
+    """`JaxCoordinator` in a multi-process jax job, else a single process's."""
     jax = sys.modules.get("jax")
     if jax is not None and jax.process_count() > 1:
         return JaxCoordinator()
@@ -298,8 +298,8 @@ def save_in_parts(
     Each process writes the byte ranges of the shards it holds (replica 0 of
     each block), the primary (process 0) everything else; see the module
     docstring for the protocol.  ``coordinator`` defaults to
-    :class:`JaxCoordinator` in a multi-process jax job.  Every process
-    returns when the checkpoint is in place, or raises :class:`PartsError`
+    `JaxCoordinator` in a multi-process jax job.  Every process
+    returns when the checkpoint is in place, or raises `PartsError`
     naming the process that failed (the destination keeps its old content).
     """
     from pytreeio import io

@@ -2,9 +2,9 @@
 
 Orbax coordinates checkpoints: step numbering, retention (``max_to_keep``,
 keep-best by a metric), background saving and the atomic commit of each
-step directory.  :class:`PytreeioHandler` is an orbax checkpoint handler
+step directory.  `PytreeioHandler` is an orbax checkpoint handler
 that writes one item of a step in any pytreeio format; the args
-:class:`PytreeioSave` and :class:`PytreeioRestore` select it, so::
+`PytreeioSave` and `PytreeioRestore` select it, so::
 
     mngr.save(step, args=ocp.args.Composite(state=PytreeioSave(tree, format="msgpack")))
     mngr.restore(step, args=ocp.args.Composite(state=PytreeioRestore(like=abstract_tree)))
@@ -24,7 +24,7 @@ and nothing else (pytreeio's saves lock the directory itself and leave no lock f
 
 ``pytreeio.json`` is the item's metadata: restore reads the format from it,
 and ``CheckpointManager.item_metadata(step)`` returns the checkpoint's
-:class:`pytreeio.Info` (headers only).
+`pytreeio.Info` (headers only).
 
 Saving is split in two phases, as orbax's own handlers do.  On the caller's
 thread (``mngr.save`` blocks for this): the tree is encoded and every buffer
@@ -121,7 +121,7 @@ class PytreeioSave(ocp.args.CheckpointArgs):
 
 @dataclasses.dataclass
 class PytreeioRestore(ocp.args.CheckpointArgs):
-    """Restore an item saved with :class:`PytreeioSave`.
+    """Restore an item saved with `PytreeioSave`.
 
     Attributes:
       like: the structure to restore into (concrete arrays or
@@ -333,7 +333,7 @@ class PytreeioHandler(ocp.AsyncCheckpointHandler):
         )
 
     def metadata(self, directory: Any) -> Info:
-        """The checkpoint's :class:`pytreeio.Info` (format, entries, meta): headers only."""
+        """The checkpoint's `pytreeio.Info` (format, entries, meta): headers only."""
         path, fmt = _locate(Path(directory), None)
         return api.inspect(path, format=fmt)
 

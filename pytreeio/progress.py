@@ -1,8 +1,8 @@
 """A progress display for long operations of the ``pytreeio`` command.
 
 The API has no progress hooks, so nothing here pretends to know how far an
-operation has got.  :func:`activity` shows, on a terminal only and for work
-over :data:`THRESHOLD` bytes, a transient ``rich`` line with a spinner, an
+operation has got.  `activity` shows, on a terminal only and for work
+over `THRESHOLD` bytes, a transient ``rich`` line with a spinner, an
 indeterminate (pulsing) bar, what is being done and on how many bytes, and
 the bytes this process has actually read and written so far (the kernel's
 ``rchar``/``wchar`` counters of ``/proc/self/io``, polled from a background
@@ -112,9 +112,9 @@ def activity(
 
     Args:
       description: what is being done (``"verifying ckpt.bin"``).
-      nbytes: the size of the work in bytes (shown, and compared to :data:`THRESHOLD`).
+      nbytes: the size of the work in bytes (shown, and compared to `THRESHOLD`).
       stream: where to draw (default: ``sys.stderr`` at call time).
-      show: force the display on or off (default: :func:`should_show`).
+      show: force the display on or off (default: `should_show`).
       counters: show the bytes read and written; pass False for work that reads
         through memory maps, which the counters do not see.
     """

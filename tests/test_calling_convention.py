@@ -105,6 +105,8 @@ def test_a_format_name_in_place_of_a_keyword_says_pass_format(tmp_path: Path) ->
         ptio.convert(path, tmp_path / "b.safetensors", "safetensors")
     with pytest.raises(TypeError, match=r"as like="):
         ptio.load(path, tree)
+    with ptio.open(path) as ck, pytest.raises(TypeError, match=r"as like="):
+        ck.load(tree)
     # nothing was written by the refused calls: the file still holds the first save
     assert np.array_equal(ptio.load(path, like=tree)["w"], tree["w"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.msgpack"]

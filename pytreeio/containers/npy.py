@@ -1,7 +1,7 @@
 """Bounded reading and numpy-identical writing of ``.npy`` arrays and ``.npz`` archives.
 
 Nothing here calls ``np.load``/``np.savez``: hostile files are parsed with
-:class:`pytreeio.core.binary.Reader`, every size is checked against the bytes that
+`pytreeio.core.binary.Reader`, every size is checked against the bytes that
 exist before anything is allocated, and pickles are never unpickled (object
 dtypes are refused outright).
 
@@ -19,11 +19,11 @@ dtypes are refused outright).
     ...     n     data, C order (or Fortran order when ``fortran_order``)
 
 numpy pads the header with 21 minus ``len(repr(shape[0]))`` spare spaces before
-the alignment padding; :func:`npy_header` does too (byte-identical to ``np.save``).
+the alignment padding; `npy_header` does too (byte-identical to ``np.save``).
 
-``.npz`` is a ZIP archive (:mod:`pytreeio.containers.zip`) of ``<name>.npy``
+``.npz`` is a ZIP archive (`pytreeio.containers.zip`) of ``<name>.npy``
 members as ``np.savez`` writes it.  Member CRC-32s are verified unless asked
-not to; headers are at most :data:`MAX_HEADER_LEN` bytes, plain dtypes only,
+not to; headers are at most `MAX_HEADER_LEN` bytes, plain dtypes only,
 shapes checked before numpy sees them.
 """
 
@@ -215,7 +215,7 @@ def read_npy(
 
 def array_after_header(r: Reader, h: NpyHeader, field: str = "npy") -> np.ndarray:
     """The array of header ``h`` (just parsed from ``r``), a view of the rest of ``r``'s
-    buffer, which it must fill exactly (as :func:`read_npy`)."""
+    buffer, which it must fill exactly (as `read_npy`)."""
     data_at = r.offset
     if h.nbytes != r.remaining:
         what = "truncated" if h.nbytes > r.remaining else "trailing bytes"
@@ -285,7 +285,7 @@ def _array_layout(arr: Any) -> tuple[np.ndarray, bool]:
 
 
 def _streamed_layout(arr: Streamed) -> tuple[Streamed, bool]:
-    """:func:`_array_layout` for a streamed array: C order if C-contiguous, Fortran order if
+    """`_array_layout` for a streamed array: C order if C-contiguous, Fortran order if
     Fortran-contiguous (judged on axes longer than 1; the base's bytes), else a C-order copy."""
     base, axes = arr.transposition()
     moved = [a for a in axes if base.shape[a] != 1]
@@ -353,9 +353,9 @@ def read_npz(
     """Every array of an ``.npz`` archive, by name without ``.npy``, in archive order.
 
     Stored members are views of ``source``, or of the buffers a large file is
-    read into (:func:`pytreeio.containers.zip.read_archive`).  Deflated members
+    read into (`pytreeio.containers.zip.read_archive`).  Deflated members
     together inflate to at most ``max_inflated`` bytes (default: the archive's
-    size plus :data:`pytreeio.containers.zip.INFLATE_ALLOWANCE`).
+    size plus `pytreeio.containers.zip.INFLATE_ALLOWANCE`).
     """
     src = source if isinstance(source, ByteSource) else BufferSource(source)
     allowance = _zip.default_max_inflated(src) if max_inflated is None else max_inflated
@@ -420,7 +420,7 @@ def inspect_npz(source: ByteSource | Buffer) -> list[tuple[str, NpyHeader, _zip.
 
 
 def _member_array(m: _zip.ZipMember, key: str) -> Any:
-    """A slot reader: one member inflated (or read) and CRC-checked, as :func:`read_npz` does."""
+    """A slot reader: one member inflated (or read) and CRC-checked, as `read_npz` does."""
 
     def read(src: ByteSource) -> np.ndarray:
         data = _zip.member_data(src, m, verify_crc=True)
@@ -433,7 +433,7 @@ def _member_array(m: _zip.ZipMember, key: str) -> Any:
 def npz_slots(
     source: ByteSource, *, role: str | None = None, verify_crc: bool = True
 ) -> dict[str, Any]:
-    """Where each array of an ``.npz`` lies (:class:`~pytreeio.core.binary.Slot` by name), headers
+    """Where each array of an ``.npz`` lies (`pytreeio.core.binary.Slot` by name), headers
     only.  With ``verify_crc``, and for deflated members, a slot reads and checks its whole
     member; ``role`` is the archive's key in a multi-file source."""
     out: dict[str, Any] = {}
@@ -456,7 +456,7 @@ def npz_slots(
 
 def encode_npz(items: Iterable[tuple[str, Any]], *, overlap: bool = False) -> list[Any]:
     """The bytes ``np.savez`` writes for these ``(name, array)`` pairs, as chunks (data referenced;
-    ``overlap``: large members hashed while written, :func:`~pytreeio.containers.zip.encode_stored`)."""
+    ``overlap``: large members hashed while written, `pytreeio.containers.zip.encode_stored`)."""
 
     members: list[tuple[str, list[Any]]] = []
     for key, value in items:

@@ -25,12 +25,12 @@ encryption, one disk.  All integers little-endian (APPNOTE 6.3.x)::
 Reading is bounded: every offset and size is checked before anything is read
 or allocated; members may not overlap each other or the central directory
 (how zip bombs reach ratios of millions); a deflated member's size must be
-within :data:`MAX_DEFLATE_RATIO` of its compressed size and, across members,
-within the archive's size plus :data:`INFLATE_ALLOWANCE`, and it is inflated
+within `MAX_DEFLATE_RATIO` of its compressed size and, across members,
+within the archive's size plus `INFLATE_ALLOWANCE`, and it is inflated
 with a hard output limit.  Each stored member's CRC-32 is taken once
-(:mod:`pytreeio.containers.crc`), when read and when written.
+(`pytreeio.containers.crc`), when read and when written.
 
-Writing (:func:`encode_stored`) produces what ``np.savez`` writes (Python's
+Writing (`encode_stored`) produces what ``np.savez`` writes (Python's
 ``zipfile``, ``force_zip64=True``, 1980-01-01 timestamps).
 """
 
@@ -83,7 +83,7 @@ __all__ = [
 MAX_DEFLATE_RATIO = 1032
 #: Bytes an archive's deflated members may inflate to beyond the archive's own size.
 INFLATE_ALLOWANCE = 64 * 1024 * 1024
-#: How much central directory :func:`member_names` reads at most (sniffing must stay cheap).
+#: How much central directory `member_names` reads at most (sniffing must stay cheap).
 MAX_NAMES_BYTES = 16 * 1024 * 1024
 
 STORED = 0
@@ -454,7 +454,7 @@ def _local(source: ByteSource, rec: _Central, cd_offset: int) -> ZipMember:
 
 
 def default_max_inflated(source: ByteSource) -> int:
-    """The inflation allowance of an archive: its own size plus :data:`INFLATE_ALLOWANCE`."""
+    """The inflation allowance of an archive: its own size plus `INFLATE_ALLOWANCE`."""
     return source.size + INFLATE_ALLOWANCE
 
 
@@ -462,7 +462,7 @@ def member_data(
     source: ByteSource, m: ZipMember, *, verify_crc: bool = True, max_inflated: int | None = None
 ) -> memoryview:
     """A member's uncompressed bytes (a view of the source if stored); a deflated one may not
-    exceed ``max_inflated`` (default: the archive's size plus :data:`INFLATE_ALLOWANCE`)."""
+    exceed ``max_inflated`` (default: the archive's size plus `INFLATE_ALLOWANCE`)."""
     raw = source.read(m.data_offset, m.compressed_size, f"zip.member[{m.name}]")
     if m.method == DEFLATED:
         limit = default_max_inflated(source) if max_inflated is None else max_inflated
@@ -530,7 +530,7 @@ def _crc_mismatch(source: ByteSource, m: ZipMember) -> FormatError:
 # whole archives from files
 # --------------------------------------------------------------------------
 
-#: Archives at least this large are read by :func:`read_archive` (smaller ones in one read).
+#: Archives at least this large are read by `read_archive` (smaller ones in one read).
 ARCHIVE_MIN = 8 << 20
 #: Bytes one ``preadv`` fills at most: the unit of work of the reading threads.
 _READ_PIECE = 16 << 20
@@ -554,7 +554,7 @@ def read_archive(
 ) -> tuple[Sequence[ZipMember], ByteSource, set[str]]:
     """The archive read into fresh memory on a few threads, stored members' CRC-32s checked.
 
-    Stored members of at least :data:`OWN_MEMBER_MIN` bytes get buffers of
+    Stored members of at least `OWN_MEMBER_MIN` bytes get buffers of
     their own, the bytes between them one buffer.  Returns ``(members, bytes,
     checked)``: the file's bytes as a source whose member reads are views, and
     the names checked here (deflated ones are the caller's to check, inflated).
@@ -706,11 +706,11 @@ def encode_stored(
     """A ZIP archive of stored members ``(name, chunks)``, as chunks (data referenced, not copied).
 
     Byte-identical to ``np.savez`` (Python's ``zipfile``, ``force_zip64=True``,
-    1980-01-01 timestamps).  Bad or duplicate names are an :class:`EncodeError`.
+    1980-01-01 timestamps).  Bad or duplicate names are an `EncodeError`.
     Each member's CRC-32 goes in its local header, ahead of its data: taken
     here for plain buffers, or while the member is written (its header
-    ``late``) for one with :class:`~pytreeio.core.binary.Deferred` chunks and,
-    with ``overlap``, for one of at least :data:`OVERLAP_MIN` bytes.
+    ``late``) for one with `pytreeio.core.binary.Deferred` chunks and,
+    with ``overlap``, for one of at least `OVERLAP_MIN` bytes.
     """
     named: list[tuple[str, list[Any], int, bool]] = []
     seen: set[str] = set()
@@ -815,7 +815,7 @@ class _Hashing:
 
 
 def _bytes_of(chunk: Any) -> memoryview:
-    """A chunk's bytes (a :class:`Deferred` one produced, its length checked)."""
+    """A chunk's bytes (a `Deferred` one produced, its length checked)."""
     if not isinstance(chunk, Deferred):
         return as_memoryview(chunk)
     view = as_memoryview(chunk.produce())

@@ -1,16 +1,16 @@
 """Bounded little-endian reading and zero-copy writing of binary layouts.
 
-This is the only module that unpacks fixed-width integers.  :class:`Reader`
+This is the only module that unpacks fixed-width integers.  `Reader`
 checks every length against the bytes that remain *before* anything is
-allocated, so a hostile length field costs nothing but a :class:`FormatError`
-naming the field and the offset.  :class:`Writer` collects small headers and
+allocated, so a hostile length field costs nothing but a `FormatError`
+naming the field and the offset.  `Writer` collects small headers and
 large array buffers as a list of chunks, so arrays are never copied on the way
 to the file.
 
-Shapes read from files are checked by :func:`check_shape` before numpy sees
-them: at most :data:`MAX_NDIM` dimensions, no negative dimension, and the
+Shapes read from files are checked by `check_shape` before numpy sees
+them: at most `MAX_NDIM` dimensions, no negative dimension, and the
 product of the non-zero dimensions times the item size below
-:data:`MAX_ARRAY_BYTES` -- numpy itself raises ``ValueError`` for more
+`MAX_ARRAY_BYTES` -- numpy itself raises ``ValueError`` for more
 dimensions than it supports and for a shape like ``(0, 2**62, 2**62)``
 (zero elements, but an overflowing nominal size), and zero-sized item types
 (``<U0``, ``|S0``) cannot be viewed at all.
@@ -96,10 +96,10 @@ def check_shape(
 ) -> int:
     """The element count of ``shape``, after checking that numpy can hold it.
 
-    Raises :class:`FormatError` (never numpy's ``ValueError``/``OverflowError``)
-    for non-integer or negative dimensions, more than :data:`MAX_NDIM` of
+    Raises `FormatError` (never numpy's ``ValueError``/``OverflowError``)
+    for non-integer or negative dimensions, more than `MAX_NDIM` of
     them, a zero ``itemsize``, or a nominal size (zeros skipped, as numpy
-    computes it) of :data:`MAX_ARRAY_BYTES` or more.
+    computes it) of `MAX_ARRAY_BYTES` or more.
     """
 
     # The common case first (a few plain positive ints): this runs once per tensor read.
@@ -157,7 +157,7 @@ class BadUtf8(ValueError):
 
 
 def utf8_text(data: Buffer) -> str:
-    """``data`` decoded as UTF-8 (strict), or :class:`BadUtf8` naming the first invalid byte.
+    """``data`` decoded as UTF-8 (strict), or `BadUtf8` naming the first invalid byte.
 
     Peak memory is the text alone: a large input is first checked piece by
     piece (the exception of a failed one-shot decode would copy all of it),
@@ -212,7 +212,7 @@ class Reader:
     def error(
         self, reason: str, field: str | None = None, offset: int | None = None
     ) -> FormatError:
-        """A :class:`FormatError` located at ``offset`` (default: the current one)."""
+        """A `FormatError` located at ``offset`` (default: the current one)."""
         return FormatError(
             reason, path=self.source, field=field, offset=self.offset if offset is None else offset
         )
@@ -335,7 +335,7 @@ class Reader:
     def array(self, dtype: Any, shape: Sequence[int], field: str) -> np.ndarray:
         """The next ``prod(shape)`` elements of ``dtype`` as an array view (no copy).
 
-        The shape is checked with :func:`check_shape` and the byte count
+        The shape is checked with `check_shape` and the byte count
         against the remaining bytes before numpy sees either, so an absurd
         shape cannot trigger an allocation, an overflow or a numpy error.
         """
@@ -390,7 +390,7 @@ class Writer:
         self.nbytes += n
 
     def deferred(self, chunk: Any) -> None:
-        """Append a chunk produced only when written (a :class:`pytreeio.core.binary.Deferred`)."""
+        """Append a chunk produced only when written (a `pytreeio.core.binary.Deferred`)."""
         self._flush()
         self.chunks.append(chunk)
         self.nbytes += chunk.nbytes
@@ -432,8 +432,8 @@ class Writer:
 
         A C-contiguous little-endian array of the right dtype is referenced
         (or, under 4 KiB, packed with the small fields), never serialised.
-        A :class:`~pytreeio.core.binary.Streamed` array (a conversion's) is
-        appended as :class:`~pytreeio.core.binary.Deferred` chunks, read (and
+        A `pytreeio.core.binary.Streamed` array (a conversion's) is
+        appended as `pytreeio.core.binary.Deferred` chunks, read (and
         cast) when written.
         """
         if type(arr) is not np.ndarray and isinstance(arr, Streamed):
@@ -464,7 +464,7 @@ class Writer:
             self.raw(a.reshape(-1).view(np.uint8).data)
 
     def extend(self, parts: Iterable[Any], dtype: Any) -> None:
-        """:meth:`raw` each ``bytes`` and :meth:`array` ``(part, dtype)`` each other part, in order.
+        """`raw` each ``bytes`` and `array` ``(part, dtype)`` each other part, in order.
 
         The same bytes as those calls; runs of small pieces (which they copy
         anyway) are joined in one copy instead, as the calls' overhead, not
@@ -516,7 +516,7 @@ class ByteSource:
     bytes_read: int
 
     def read(self, offset: int, n: int, field: str) -> memoryview:
-        """``n`` bytes at ``offset``; :class:`FormatError` if the file is shorter."""
+        """``n`` bytes at ``offset``; `FormatError` if the file is shorter."""
         if offset < 0 or n < 0 or offset + n > self.size:
             raise FormatError(
                 f"truncated: needs {n} bytes at offset {offset}, file has {self.size}",
@@ -529,7 +529,7 @@ class ByteSource:
         return data
 
     def reader(self, offset: int, n: int, field: str) -> Reader:
-        """A :class:`Reader` over ``n`` bytes at ``offset`` reporting file offsets."""
+        """A `Reader` over ``n`` bytes at ``offset`` reporting file offsets."""
         return Reader(self.read(offset, n, field), source=self.name, start=offset)
 
     def view(self) -> memoryview:
@@ -541,7 +541,7 @@ class ByteSource:
 
 
 class BufferSource(ByteSource):
-    """A :class:`ByteSource` over an in-memory buffer."""
+    """A `ByteSource` over an in-memory buffer."""
 
     def __init__(self, buffer: Buffer, name: str | None = None) -> None:
         self._view = as_memoryview(buffer)
@@ -566,7 +566,7 @@ class Slot:
     """Where one array of a native tree lies in a checkpoint's bytes (for lazy, partial reads).
 
     A format's ``slots`` function returns the native tree with every array leaf replaced
-    by one of these; :meth:`read` then produces exactly the array ``decode``
+    by one of these; `read` then produces exactly the array ``decode``
     would have put there (same dtype, shape and bits), touching only that
     entry's bytes.
 
@@ -591,7 +591,7 @@ class Slot:
         compressed ZIP member, a chunked array, a record whose framing is
         checked as decode checks it), ``reader(source) -> value`` replaces the
         range read; it receives the entry's file source and must raise only
-        :class:`pytreeio.core.errors.PytreeioError` for bad bytes; ``convert``, when
+        `pytreeio.core.errors.PytreeioError` for bad bytes; ``convert``, when
         set too, is applied to its result.  ``offset`` and ``nbytes`` then
         describe the range it reads (for reports).
     """
@@ -608,14 +608,14 @@ class Slot:
     reader: Callable[[Any], Any] | None = None
 
     def source_of(self, source: Any) -> Any:
-        """This entry's :class:`pytreeio.core.binary.ByteSource` in ``source`` (one, or a mapping)."""
+        """This entry's `pytreeio.core.binary.ByteSource` in ``source`` (one, or a mapping)."""
         return source if self.role is None else source[self.role]
 
     def check_size(self, src: Any, shape: Sequence[int]) -> Any:
-        """The numpy dtype, once ``shape`` of it is checked to fill exactly :attr:`nbytes`.
+        """The numpy dtype, once ``shape`` of it is checked to fill exactly `nbytes`.
 
         A slots function's bug or a lying header it let through is a
-        :class:`~pytreeio.core.errors.FormatError` naming the entry, never numpy's ValueError.
+        `pytreeio.core.errors.FormatError` naming the entry, never numpy's ValueError.
         """
         import numpy as np
 
@@ -665,7 +665,7 @@ class Slots:
     """What a format's ``slots(source, *, <load options>)`` returns.
 
     ``tree`` is the native tree ``decode`` would return with every array leaf
-    replaced by its :class:`Slot` (other leaves -- scalars, strings, None --
+    replaced by its `Slot` (other leaves -- scalars, strings, None --
     as decode returns them); ``meta`` is decode's meta.  Reading every slot
     and putting the arrays in place gives ``decode``'s result bit for bit, in
     native byte order (where decode keeps a stored big-endian dtype, the
@@ -683,11 +683,11 @@ class Slots:
 
 @dataclass(frozen=True)
 class Deferred:
-    """A chunk of an :class:`Encoded` whose bytes are produced only when it is written.
+    """A chunk of an `Encoded` whose bytes are produced only when it is written.
 
-    ``produce()`` returns exactly ``nbytes`` bytes (any buffer); :mod:`pytreeio.io`
+    ``produce()`` returns exactly ``nbytes`` bytes (any buffer); `pytreeio.io`
     calls it once, writes the result and drops it before the next chunk, so an
-    encoding of :class:`Streamed` arrays holds at most one of them at a time per
+    encoding of `Streamed` arrays holds at most one of them at a time per
     file being written (a large directory's files are written by one thread per
     core, each producing its own file's chunks, in order).
     A consumer must be done with a result before the same thread produces the
@@ -705,11 +705,11 @@ class Deferred:
 class Streamed:
     """An array leaf of a checkpoint being converted, read when its bytes are written.
 
-    A streaming conversion (:mod:`pytreeio.engine.conversion`) hands a target whose
-    :class:`Format` has ``streams=True`` the source's native tree with these
+    A streaming conversion (`pytreeio.engine.conversion`) hands a target whose
+    `Format` has ``streams=True`` the source's native tree with these
     in place of its large arrays.  The encoder takes ``shape``, ``dtype``
     (native byte order) and ``nbytes`` for its headers and emits
-    :meth:`chunks` for the data: little-endian bytes, as every format
+    `chunks` for the data: little-endian bytes, as every format
     pytreeio writes stores them.
     """
 
@@ -770,7 +770,7 @@ class Streamed:
     def c_order(self) -> Streamed:
         """This array as a C-order copy of it is stored: a transposed view no longer is.
 
-        (:meth:`transposition` then finds no transpose, so a ``.npy`` writer
+        (`transposition` then finds no transpose, so a ``.npy`` writer
         stores it in C order, as it stores a numpy array copied into C order.)
         """
         if self.transposition()[0] is self:
@@ -838,7 +838,7 @@ class Streamed:
         return arr.reshape(-1).view("u1")
 
     def chunk(self, seen: Callable[[Any], None] | None = None) -> Deferred:
-        """The data as one :class:`Deferred` chunk; ``seen(array)`` is called on the read (checksums)."""
+        """The data as one `Deferred` chunk; ``seen(array)`` is called on the read (checksums)."""
         return Deferred(self.nbytes, lambda: self._little_bytes(seen).data)
 
     def chunks(
@@ -847,10 +847,10 @@ class Streamed:
         start: int = 0,
         stop: int | None = None,
     ) -> tuple[Deferred, ...]:
-        """Bytes ``[start, stop)`` of the C-order data as :class:`Deferred` chunks, in order.
+        """Bytes ``[start, stop)`` of the C-order data as `Deferred` chunks, in order.
 
         The whole array is one chunk; ``seen`` gets its bytes in order (one
-        array here; a sharded array's bands in :mod:`pytreeio.multihost`).
+        array here; a sharded array's bands in `pytreeio.multihost`).
         Pieces of it (an encoder that splits a large array into records,
         msgpack beyond 1 GiB) share one read: the first piece produced reads
         the array, which is dropped once every piece asked for is produced.
@@ -876,11 +876,11 @@ class Streamed:
 
 
 class Derived(Streamed):
-    """A :class:`Streamed` array computed from another one when read (a transpose, a cast).
+    """A `Streamed` array computed from another one when read (a transpose, a cast).
 
     ``fn(base.read())`` must return an array of ``shape`` and ``dtype``; it is
-    returned C-contiguous.  Made by :meth:`Streamed.transpose`,
-    :meth:`~Streamed.reshape` and :meth:`~Streamed.astype`.
+    returned C-contiguous.  Made by `Streamed.transpose`,
+    `Streamed.reshape` and `Streamed.astype`.
     """
 
     __slots__ = ("base", "fn")
@@ -935,5 +935,5 @@ def _cast(arr: Any, dtype: Any) -> Any:
 
 
 def chunk_nbytes(chunk: Any) -> int:
-    """The length of one chunk of an :class:`Encoded` (a buffer or a :class:`Deferred`)."""
+    """The length of one chunk of an `Encoded` (a buffer or a `Deferred`)."""
     return chunk.nbytes if isinstance(chunk, Deferred) else len(as_memoryview(chunk))

@@ -2,7 +2,7 @@
 
 The path (and the tree, for saves) is positional; everything else is keyword-only.
 Python's own error for ``ptio.load(path, "msgpack")`` says only "takes 1 positional
-argument but 2 were given"; :func:`keywords_explained` says which keyword was meant.
+argument but 2 were given"; `keywords_explained` says which keyword was meant.
 """
 
 from __future__ import annotations
@@ -33,8 +33,13 @@ def keywords_explained(func: F) -> F:
 
 
 def _advice(name: str, positional: list[str], keywords: list[str], stray: Any) -> str:
-    takes = " and ".join(positional)
-    head = f"{name}() takes {takes} positionally and everything else by keyword"
+    subjects = [p for p in positional if p != "self"]
+    if subjects:
+        head = (
+            f"{name}() takes {' and '.join(subjects)} positionally and everything else by keyword"
+        )
+    else:
+        head = f"{name}() takes its arguments by keyword"
     if isinstance(stray, str):
         for keyword in ("format", "to"):
             if keyword in keywords:

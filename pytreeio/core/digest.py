@@ -2,7 +2,7 @@
 
 XXH3 hashes a numpy array's own buffer (no copy) at memory speed, several GB/s
 per core; ``xxhash`` is imported only when a checksum is computed.  Manifests and
-verification (:mod:`pytreeio.integrity`) and safetensors' per-tensor checksums use these.
+verification (`pytreeio.integrity`) and safetensors' per-tensor checksums use these.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def checksums_in_background(
 
     For a writer that records checksums in a header written after the data
     (safetensors): the arrays are hashed while their bytes are written instead
-    of before.  Arrays are batched into jobs of about :data:`_HASH_BATCH` bytes,
+    of before.  Arrays are batched into jobs of about `_HASH_BATCH` bytes,
     in order; the function returns ``{name: checksum}`` (the first failure
     raises).  The caller must keep the arrays unchanged until it has waited.
     """

@@ -1,8 +1,8 @@
 """The error types of pytreeio.
 
 Every failure that comes from the content of a file (or buffer) is a
-:class:`FormatError`; every disagreement between a file and what the caller
-asked for (``like=``, ``meta=``) is a :class:`MismatchError`.  Both derive from
+`FormatError`; every disagreement between a file and what the caller
+asked for (``like=``, ``meta=``) is a `MismatchError`.  Both derive from
 ``ValueError`` so that generic callers that catch ``ValueError`` keep working.
 ``FileNotFoundError`` and other ``OSError``\\ s are left as the builtins.
 Every error pickles with its fields (``BaseException``'s pickling keeps the

@@ -1,10 +1,10 @@
 """Bounded JSON parsing for documents read from files: the one place formats parse JSON.
 
-Python's :mod:`json` parses hostile input into ``RecursionError`` (deep nesting),
+Python's `json` parses hostile input into ``RecursionError`` (deep nesting),
 ``UnicodeDecodeError``, ``ValueError`` without a file offset, ``NaN``/``Infinity``
 values that no JSON writer of ours emits, silently-merged duplicate keys, and
-an unbounded number of Python objects.  :func:`loads` checks all of that and
-raises only :class:`pytreeio.core.errors.FormatError`, naming the ``field`` and the
+an unbounded number of Python objects.  `loads` checks all of that and
+raises only `pytreeio.core.errors.FormatError`, naming the ``field`` and the
 byte ``offset`` in the file.
 
 API::
@@ -24,7 +24,7 @@ API::
   message.
 * ``max_depth``: the most nested arrays/objects (``[[1]]`` is depth 2).  It is
   checked on the raw bytes *before* parsing, in time linear in the size
-  (:func:`scan`, vectorised with numpy 1 MiB at a time).
+  (`scan`, vectorised with numpy 1 MiB at a time).
 * ``max_values``: the most values (an upper estimate: commas + opening
   brackets + 1, outside strings) the document may create; default
   ``(len(data) + 64 MiB) // 64``, so that parsing costs about the document's
@@ -33,15 +33,15 @@ API::
 * ``allow_nan``: accept ``NaN``, ``Infinity``, ``-Infinity`` and numbers that
   overflow a double (``1e999``).  Off by default: strict JSON has none.
 * ``allow_duplicates``: accept repeated object keys (the last wins, as in
-  :mod:`json`).  Off by default: a second value for a key is ambiguous.
+  `json`).  Off by default: a second value for a key is ambiguous.
 
 Integers longer than Python's 4300-digit conversion limit are a
-:class:`FormatError` too.
+`FormatError` too.
 
 Within the bounds, ``orjson`` (a dependency) parses a document 3-5x as fast
-as :mod:`json`, to the same values; what it cannot vouch for (a repeated key,
+as `json`, to the same values; what it cannot vouch for (a repeated key,
 which it drops silently; an integer of 19 digits or more, which it may read
-as a float; anything it refuses) is parsed by :mod:`json` with checking
+as a float; anything it refuses) is parsed by `json` with checking
 hooks, which also says what is wrong with a bad document.
 """
 
@@ -96,7 +96,7 @@ _LONG_RUN = b"0" * 19
 
 
 class _Reject(Exception):
-    """Raised inside the json hooks; turned into a FormatError by :func:`loads`."""
+    """Raised inside the json hooks; turned into a FormatError by `loads`."""
 
     def __init__(self, reason: str, token: bytes | None = None) -> None:
         super().__init__(reason)
@@ -203,7 +203,7 @@ def _decoder(allow_nan: bool, allow_duplicates: bool) -> json.JSONDecoder:
 
 
 def _fast(raw: bytes, allow_duplicates: bool) -> tuple[Any] | None:
-    """``(document,)`` where ``orjson`` reads ``raw`` to what :mod:`json` reads; else None.
+    """``(document,)`` where ``orjson`` reads ``raw`` to what `json` reads; else None.
 
     A repeated key is the one difference left to rule out, as ``orjson`` keeps
     the last value silently.  Every object member has one colon outside
@@ -238,7 +238,7 @@ def loads(
     allow_nan: bool = False,
     allow_duplicates: bool = False,
 ) -> Any:
-    """Parse one JSON document, bounded; every problem is a :class:`FormatError` (see the module doc)."""
+    """Parse one JSON document, bounded; every problem is a `FormatError` (see the module doc)."""
     return _loads(
         data, path, field, offset, exact, max_depth, max_values, allow_nan, allow_duplicates
     )
@@ -325,13 +325,13 @@ _PARSE_BATCH = 1 << 16
 
 
 class NumberRows:
-    """The number rows :func:`loads_rows` cut out of a document, by marker.
+    """The number rows `loads_rows` cut out of a document, by marker.
 
     Each row (an innermost array of JSON numbers) stands in the parsed
-    document as a unique marker string; :meth:`resolve` puts rows back into
+    document as a unique marker string; `resolve` puts rows back into
     a part of it, as float64 arrays (what a caller that stacks them into an
     array wants: 8 bytes a number instead of a Python float's 32) or as the
-    lists :mod:`json` would have made.
+    lists `json` would have made.
     """
 
     def __init__(
@@ -391,7 +391,7 @@ class NumberRows:
         return value
 
     def _list(self, i: int) -> list[Any]:
-        """Row ``i`` as :mod:`json` makes it (strictly checked: a bad row raises here)."""
+        """Row ``i`` as `json` makes it (strictly checked: a bad row raises here)."""
         start, end = self._spans[i]
         text = self._raw[start:end].decode("ascii")
         try:
@@ -475,14 +475,14 @@ def loads_rows(
     max_depth: int = MAX_DEPTH,
     max_values: int | None = None,
 ) -> tuple[Any, NumberRows]:
-    """:func:`loads` for a document that holds long lists of numbers (optimizer moments).
+    """`loads` for a document that holds long lists of numbers (optimizer moments).
 
     Every innermost array of number characters (a *row*) is cut out before
     parsing and stands in the result as a marker string; the returned
-    :class:`NumberRows` puts rows back into the parts the caller names, as
-    float64 arrays or as :mod:`json`'s lists, and checks their numbers
+    `NumberRows` puts rows back into the parts the caller names, as
+    float64 arrays or as `json`'s lists, and checks their numbers
     strictly then (a row never resolved is never checked).  The rest is parsed
-    and checked exactly as :func:`loads` checks a document (depth, values,
+    and checked exactly as `loads` checks a document (depth, values,
     duplicate keys, NaN, UTF-8), with errors at their offsets in ``data``.  A
     row resolved as an array costs 8 bytes a number, not a Python float's 32
     plus its slot; its numbers are Python floats only while their batch is

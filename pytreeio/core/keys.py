@@ -14,8 +14,8 @@ with ``jax.random.wrap_key_data``.  How each format records the name:
 * ``safetensors``: the key data is an ordinary ``U32`` tensor, and its node in
   the structure document is ``{"leaf": name, "key": impl}``.
 
-Every other format refuses a key leaf with an :class:`~pytreeio.core.errors.EncodeError`
-naming its key path (:func:`refuse`).  Old-style keys (``jax.random.PRNGKey``,
+Every other format refuses a key leaf with an `pytreeio.core.errors.EncodeError`
+naming its key path (`refuse`).  Old-style keys (``jax.random.PRNGKey``,
 plain ``uint32[2]`` arrays) are ordinary arrays everywhere.
 
 jax is never imported here: nothing can be a typed key unless jax is loaded,

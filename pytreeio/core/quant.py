@@ -4,25 +4,25 @@ jax is imported on first use, never at ``import pytreeio``.
 
 Quantisation
 ------------
-:func:`quantise` turns float values into ``i8``/``i16``/``i32`` with an
+`quantise` turns float values into ``i8``/``i16``/``i32`` with an
 integer scale ``Q``, as bullet does: ``q = trunc(Q*x)`` computed in float64,
 or, with ``round=True``, ``Q*x`` rounded half away from zero (Rust's
 ``f64::round``).  Two jit-compiled kernels do it: a range check from the
 input's minimum and maximum (one variadic reduction; see
-:func:`_range_kernel` for why that is exact), then the elementwise values.
+`_range_kernel` for why that is exact), then the elementwise values.
 A jax array on an accelerator is quantised whole where it lives.  Values in
 host memory (numpy, or jax on the CPU) are fed to the same kernels in
-blocks of :data:`BLOCK` values, the last one padded with zeros to a power of
+blocks of `BLOCK` values, the last one padded with zeros to a power of
 two: a model's tensors of many sizes then share a few compiled shapes
 instead of one compile each, and the blocks run on XLA's CPU threads while
 earlier ones are copied out.  A transpose (bullet's ``"transpose"``) is
-applied to the 1-4 byte result on the host (:mod:`pytreeio.core.transpose`).
+applied to the 1-4 byte result on the host (`pytreeio.core.transpose`).
 
 Writers that stream (bullet's ``quantised.bin``) split the two:
-:func:`check_quantisable` checks the range before anything is written, and
-:func:`quantise_async` dispatches the values (jax computes asynchronously)
-while earlier bytes are written; :meth:`Pending.result` takes them, bit for
-bit :func:`quantise`'s.
+`check_quantisable` checks the range before anything is written, and
+`quantise_async` dispatches the values (jax computes asynchronously)
+while earlier bytes are written; `Pending.result` takes them, bit for
+bit `quantise`'s.
 
 Why float64, not float32: ``fl32(Q*x)`` rounds, and the rounding crosses
 integer (and half-integer) boundaries.  At ``Q=255`` the float32
@@ -46,8 +46,8 @@ bytes out per element and are bound by memory bandwidth, so slow float64
 units cost little.
 
 Every value whose ``q`` does not fit the integer type, and every NaN or
-infinity, makes :func:`quantise` raise
-:class:`~pytreeio.core.errors.QuantisationError` naming the tensor, the (first)
+infinity, makes `quantise` raise
+`pytreeio.core.errors.QuantisationError` naming the tensor, the (first)
 element index and its value; the error carries them as ``tensor``,
 ``index`` (flat), ``position`` (per axis) and ``value`` attributes.
 
@@ -55,9 +55,9 @@ Output buckets
 --------------
 A layer with ``N`` output buckets of ``out`` outputs each is a Flax-style
 ``(in, N*out)`` kernel (bullet's column-major ``N*out x in`` matrix, byte for
-byte); :func:`to_buckets` gives the ``(N, out, in)`` layout in which each
+byte); `to_buckets` gives the ``(N, out, in)`` layout in which each
 bucket is contiguous (what bullet's ``transpose`` writes), and
-:func:`from_buckets` goes back.
+`from_buckets` goes back.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ __all__ = [
     "from_buckets",
 ]
 
-#: The integer targets of :func:`quantise`, by bullet's names.
+#: The integer targets of `quantise`, by bullet's names.
 INT_TYPES: dict[str, np.dtype[Any]] = {
     "i8": np.dtype("<i1"),
     "i16": np.dtype("<i2"),
@@ -144,7 +144,7 @@ def _rounded(v: Any, round_: bool) -> Any:
 
 @cache
 def _values_kernel(type_name: str, round_: bool) -> Callable[[Any, Any], Any]:
-    """``(x f32, scale f64) -> q`` for values :func:`_range_kernel` passed.
+    """``(x f32, scale f64) -> q`` for values `_range_kernel` passed.
 
     Clamped to the type's range first, so the float-to-int conversion (which
     truncates towards zero) is always defined; it equals ``_rounded`` for
@@ -254,8 +254,8 @@ def _blocks(x32: Any) -> list[tuple[int, int, Any]] | None:
     """``(start, count, values)`` pieces of flat host ``x32`` for the kernels; None off the CPU.
 
     A jax array on an accelerator is quantised whole, where it lives (None).
-    Host memory comes in :data:`BLOCK`-value pieces, the last padded with
-    zeros (which always fit) to a power of two of at least :data:`_MIN_BLOCK`.
+    Host memory comes in `BLOCK`-value pieces, the last padded with
+    zeros (which always fit) to a power of two of at least `_MIN_BLOCK`.
     """
     if _is_jax_array(x32):
         if not on_cpu():
@@ -311,10 +311,10 @@ def _quantisation_error(
 def check_quantisable(
     x: Any, scale: int, type_name: str, *, round: bool = False, name: str = "tensor"
 ) -> Any:
-    """Raise :class:`QuantisationError` as :func:`quantise` would; return ``x`` as float32.
+    """Raise `QuantisationError` as `quantise` would; return ``x`` as float32.
 
     Runs only the range check (one reduction over ``x``); pair it with
-    :func:`quantise_async` to compute the values later.
+    `quantise_async` to compute the values later.
     """
     x32 = _checked_args(x, scale, type_name, name)
     if x32.size == 0:
@@ -337,7 +337,7 @@ def check_quantisable(
 
 
 class Pending:
-    """A quantisation computing on the default device (or the host's threads); :meth:`result` waits for it."""
+    """A quantisation computing on the default device (or the host's threads); `result` waits for it."""
 
     __slots__ = ("_q", "_transpose", "nbytes", "shape")
 
@@ -363,12 +363,12 @@ class Pending:
 def quantise_async(
     x32: Any, scale: int, type_name: str, *, round: bool = False, transpose: bool = False
 ) -> Pending:
-    """Start quantising ``x32`` (float32, already :func:`check_quantisable`); returns at once.
+    """Start quantising ``x32`` (float32, already `check_quantisable`); returns at once.
 
     jax dispatches a device's kernel asynchronously, and host blocks are
     computed by a job on the pool: the caller writes other bytes meanwhile
-    and takes the values with :meth:`Pending.result`, bit for bit
-    :func:`quantise`'s.
+    and takes the values with `Pending.result`, bit for bit
+    `quantise`'s.
     """
     import jax
 
@@ -461,7 +461,7 @@ def to_buckets(kernel: Any, buckets: int) -> np.ndarray:
 
 
 def from_buckets(per_bucket: Any) -> np.ndarray:
-    """The inverse of :func:`to_buckets`: ``(N, out, in)`` to an ``(in, N*out)`` kernel."""
+    """The inverse of `to_buckets`: ``(N, out, in)`` to an ``(in, N*out)`` kernel."""
     shape = tuple(int(d) for d in np.shape(per_bucket))
     if len(shape) != 3:
         raise ValueError(f"expected (buckets, out, in), found shape {shape}")

@@ -1,9 +1,9 @@
 """The records passed between formats, the API and io: layouts, probes, encodings, infos, and
-the :class:`Format` record itself.
+the `Format` record itself.
 
 A format is a small immutable record of pure functions (like optax's
-``GradientTransformation``). Layouts are values (:data:`FILE`, :class:`Siblings`,
-:data:`DIRECTORY`):
+``GradientTransformation``). Layouts are values (`FILE`, `Siblings`,
+`DIRECTORY`):
 
 * ``FILE``      - one file; ``decode``/``inspect`` receive a buffer.
 * ``Siblings``  - files next to each other (``<p>.npz`` + ``<p>.json``);
@@ -12,12 +12,12 @@ A format is a small immutable record of pure functions (like optax's
 * ``DIRECTORY`` - a directory; they receive a ``Mapping[str, buffer]`` of the
   files below it (relative POSIX paths), read lazily on access.
 
-``encode`` returns an :class:`Encoded`: a list of chunks for ``FILE``, or
-``files`` (role or relative path -> :class:`Encoded`) for the other layouts.
+``encode`` returns an `Encoded`: a list of chunks for ``FILE``, or
+``files`` (role or relative path -> `Encoded`) for the other layouts.
 
-A format's ``sniff(probe)`` returns a score for a :class:`Probe` (0: not this
-format; :data:`MAGIC` for a magic number, :data:`STRUCTURE` for a recognised
-structure, :data:`WEAK` for a guess).
+A format's ``sniff(probe)`` returns a score for a `Probe` (0: not this
+format; `MAGIC` for a magic number, `STRUCTURE` for a recognised
+structure, `WEAK` for a guess).
 
 Options are declared by the functions that take them: the keyword-only
 parameters of ``encode``/``from_model`` are save options, those of
@@ -38,7 +38,7 @@ from pytreeio.core.binary import Buffer, Deferred, Slots, as_memoryview, chunk_n
 
 #: Meta key under which a ``decode`` called with ``verify=True`` reports what its checks
 #: found beyond "no error" (bullet: the quantisation error per tensor); ``ptio.verify``
-#: merges it into the returned :class:`Info`'s meta.
+#: merges it into the returned `Info`'s meta.
 REPORT = "pytreeio.report"
 
 #: Sniff scores: a magic number matched, a structure recognised, a weak guess.
@@ -77,7 +77,7 @@ class Siblings:
       roles: every role ``locate`` can return, in writing order.
       linked: the roles that are written and read as one set: io saves them
         under one lock with a journal and reads them under a shared lock, so a
-        reader sees the complete old or the complete new set (see :mod:`pytreeio.io`).
+        reader sees the complete old or the complete new set (see `pytreeio.io`).
     """
 
     locate: Callable[[Path], Mapping[str, Path]]
@@ -94,7 +94,7 @@ DIRECTORY = Directory()
 
 @dataclass(frozen=True)
 class Probe:
-    """What sniffing sees of a path, built by :func:`pytreeio.io.probe` (sniffers never open files).
+    """What sniffing sees of a path, built by `pytreeio.io.probe` (sniffers never open files).
 
     Attributes:
       path: the path as given.
@@ -105,7 +105,7 @@ class Probe:
       names: a directory's files (relative POSIX paths; None for non-directories).
       heads: the first bytes of a directory's small top-level text files
         (``*.json``, ``*.txt``), by name.
-      siblings: for a :class:`Siblings` layout, the probe of each located
+      siblings: for a `Siblings` layout, the probe of each located
         role whose file exists.
     """
 
@@ -137,7 +137,7 @@ class Encoded:
     """The output of a format's ``encode``: bytes not yet written anywhere.
 
     ``chunks`` reference the caller's arrays where possible (no copies);
-    ``files`` holds one :class:`Encoded` per file for multi-file layouts.
+    ``files`` holds one `Encoded` per file for multi-file layouts.
     ``deferred`` holds errors of a save that partly succeeded (bullet writes
     ``raw.bin`` when quantisation overflows): the API writes what is here,
     then raises them (``strict``) or warns.
@@ -161,7 +161,7 @@ class Encoded:
     def tobytes(self) -> bytes:
         """The whole single-file encoding as one ``bytes`` (copies; for tests and small trees).
 
-        :class:`Deferred` chunks are produced here, late ones last, as io writes them.
+        `Deferred` chunks are produced here, late ones last, as io writes them.
         """
         if self.files is not None:
             raise TypeError("a multi-file encoding has no single byte string; use .files")
@@ -187,7 +187,7 @@ class Decoded(NamedTuple):
 
 @dataclass(frozen=True)
 class Entry:
-    """One tensor of a checkpoint as :func:`pytreeio.inspect` reports it."""
+    """One tensor of a checkpoint as `pytreeio.inspect` reports it."""
 
     name: str
     shape: tuple[int, ...]
@@ -365,22 +365,22 @@ class Format(NamedTuple):
       name: registry name, e.g. ``"msgpack"``.
       description: one line for ``pytreeio formats``.
       suffixes: file suffixes that select this format on save (``".msgpack"``).
-      layout: :data:`FILE`, a :class:`Siblings` value or :data:`DIRECTORY`.
+      layout: `FILE`, a `Siblings` value or `DIRECTORY`.
       encode: ``encode(tree, *, meta=None, [dest=None,] [model=None,] [checked=False,]
         <save options>) -> Encoded``; takes the native tree (and the common shapes
         it documents).  One that declares ``model`` is given the
-        :class:`~pytreeio.model.form.Model` when ``tree`` and ``meta`` are what
+        `pytreeio.model.form.Model` when ``tree`` and ``meta`` are what
         ``from_model`` made of it, and may skip checking them again; one that
         declares ``checked`` is told so with ``checked=True``.
       decode: ``decode(source, *, <load options>) -> Decoded`` (native tree, meta).
       inspect: ``inspect(source) -> Info`` touching only headers; ``source``
-        is a :class:`pytreeio.core.binary.ByteSource` (a mapping of them for
+        is a `pytreeio.core.binary.ByteSource` (a mapping of them for
         multi-file layouts) whose ``read(offset, n, field)`` is bounded.
       sniff: ``sniff(probe) -> float``; 0 when the content is not this format.
       restore: ``restore(native, meta, like, *, <load options>) -> tree``:
         the native tree in the structure of a native-shaped ``like``.
         Defaults to structural matching by key path.  (Model-shaped ``like``
-        trees go through ``to_model`` instead; see :mod:`pytreeio.model.form`.)
+        trees go through ``to_model`` instead; see `pytreeio.model.form`.)
       to_model: ``to_model(native, meta, *, <load options>) -> Model`` for
         formats that hold a layered model; None for the others.
       from_model: ``from_model(model, *, <save options>) -> (native, meta)``.
@@ -390,8 +390,8 @@ class Format(NamedTuple):
         loads (``pytreeio.open``): where each native array lies, read from
         headers only (``source`` as for ``inspect``); None when the format
         has none (lazy views then decode the whole checkpoint once).
-      streams: ``encode`` takes :class:`Streamed` array leaves (headers from
-        their shapes and dtypes) and emits :class:`Deferred` chunks for their
+      streams: ``encode`` takes `Streamed` array leaves (headers from
+        their shapes and dtypes) and emits `Deferred` chunks for their
         data, so conversions into this format stream tensor by tensor.
     """
 

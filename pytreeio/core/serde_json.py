@@ -18,9 +18,9 @@ Formats written by Rust programs (DataCode's ``.nn``) embed JSON produced by
 
 Python's ``repr(float)`` yields the same shortest round-trip digits as
 ``ryu`` (both pick the closest of the shortest candidates), so only the
-layout differs; :func:`format_float` re-lays them out.  ``f32`` values that
+layout differs; `format_float` re-lays them out.  ``f32`` values that
 Rust widened to ``f64`` before printing (``0.001f32`` appears as
-``0.0010000000474974513``) are produced by :func:`widen_f32`.
+``0.0010000000474974513``) are produced by `widen_f32`.
 """
 
 from __future__ import annotations
@@ -174,9 +174,9 @@ def _path(parent: str, key: str | int) -> str:
 def dumps(value: Any) -> str:
     """The text ``serde_json::to_string`` writes for ``value`` (dicts, lists, tuples, str, numbers, bools, None).
 
-    Raises :class:`EncodeError` naming the key path for keys that are not
+    Raises `EncodeError` naming the key path for keys that are not
     strings, integers outside ``i64``/``u64``, nesting deeper than
-    :data:`MAX_DEPTH`, and values with no JSON form.
+    `MAX_DEPTH`, and values with no JSON form.
     """
     out: list[str] = []
     _write(value, out, "", 0)
@@ -184,7 +184,7 @@ def dumps(value: Any) -> str:
 
 
 def dump_bytes(value: Any) -> bytes:
-    """:func:`dumps` as UTF-8 bytes (a lone surrogate, which Rust strings cannot hold, is an :class:`EncodeError`)."""
+    """`dumps` as UTF-8 bytes (a lone surrogate, which Rust strings cannot hold, is an `EncodeError`)."""
     text = dumps(value)
     try:
         return text.encode("utf-8")

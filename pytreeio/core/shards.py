@@ -2,11 +2,11 @@
 
 **Saving.**  A ``jax.Array`` leaf partitioned over several devices is never
 gathered (no ``np.asarray`` of the global array, no device-side gather): the
-safetensors and msgpack encoders take it as a :class:`ShardedLeaf`, a
-:class:`~pytreeio.core.binary.Streamed` leaf whose bytes come from its shards,
-and emit :class:`ShardChunk`\\ s, :class:`~pytreeio.core.binary.Deferred` chunks
+safetensors and msgpack encoders take it as a `ShardedLeaf`, a
+`pytreeio.core.binary.Streamed` leaf whose bytes come from its shards,
+and emit `ShardChunk`\\ s, `pytreeio.core.binary.Deferred` chunks
 that io produces one at a time.  The array is cut into *bands* of rows
-(along axis 0) at the shards' boundaries and at most :data:`BAND_BYTES` each:
+(along axis 0) at the shards' boundaries and at most `BAND_BYTES` each:
 a band that lies inside one shard (sharding along the leading axis) is that
 shard's own host buffer, written as it is; other bands are assembled from the
 shards they cross in a buffer of the band's size.  Replicated shards are
@@ -16,13 +16,13 @@ written and released after its last, so host memory peaks at about one array.
 
 **Loading.**  ``pytreeio.load(path, like=...)`` with ``like`` leaves that carry
 a sharding over several devices reads each distinct device slice straight from
-the file with the format's ``slots`` (:func:`read_region`): a C-order slice is
+the file with the format's ``slots`` (`read_region`): a C-order slice is
 a set of contiguous byte runs, each ``pread`` into the host buffer that goes
 to the device; runs shorter than a page are read in windows.  Replicas of a
-slice are read once (:func:`place`).
+slice are read once (`place`).
 
-Saves in parts from several processes (:mod:`pytreeio.multihost`) set
-:data:`IN_PARTS` while they encode.  jax is imported only by the functions that need it.
+Saves in parts from several processes (`pytreeio.multihost`) set
+`IN_PARTS` while they encode.  jax is imported only by the functions that need it.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ _WINDOW = 4 << 20
 
 #: Set while a save in parts encodes: arrays whose shards lie partly in other
 #: processes are then placeholders for this process's byte ranges.  The value is the
-#: set of devices whose shards this process writes (:data:`ADDRESSABLE`: all it can address).
+#: set of devices whose shards this process writes (`ADDRESSABLE`: all it can address).
 IN_PARTS: ContextVar[Any] = ContextVar("pytreeio_in_parts", default=None)
 ADDRESSABLE = "addressable"
 
@@ -148,7 +148,7 @@ def start_host_copies(tree: Any) -> None:
 
 
 def sharded_leaf(x: Any, key: str) -> ShardedLeaf | None:
-    """The :class:`ShardedLeaf` an encoder writes for ``x``, or None for other leaves.
+    """The `ShardedLeaf` an encoder writes for ``x``, or None for other leaves.
 
     Arrays split over devices, and arrays held whole on an accelerator: the
     host copy of such an array starts when its leaf is made (an encoder makes
@@ -166,7 +166,7 @@ def sharded_leaf(x: Any, key: str) -> ShardedLeaf | None:
 
 @dataclasses.dataclass(frozen=True)
 class ShardChunk(Deferred):
-    """A :class:`Deferred` holding bytes ``[start, stop)`` of a sharded leaf's C-order data.
+    """A `Deferred` holding bytes ``[start, stop)`` of a sharded leaf's C-order data.
 
     ``seen`` is called with the bytes when they are produced (checksums); a
     save in parts calls it with the bytes read back from the file instead.
@@ -298,7 +298,7 @@ class ShardedLeaf(Streamed):
         start: int = 0,
         stop: int | None = None,
     ) -> tuple[Deferred, ...]:
-        """Bytes ``[start, stop)`` of the C-order data as :class:`ShardChunk`\\ s, in order."""
+        """Bytes ``[start, stop)`` of the C-order data as `ShardChunk`\\ s, in order."""
         stop = self.nbytes if stop is None else stop
         row = self._row_bytes() if self.shape else self.nbytes
         out: list[Deferred] = []
@@ -354,7 +354,7 @@ class ShardedLeaf(Streamed):
 
 
 class _BandProducer:
-    """``produce`` of a :class:`ShardChunk`: bytes ``[lo, hi)`` of rows ``[r0, r1)``."""
+    """``produce`` of a `ShardChunk`: bytes ``[lo, hi)`` of rows ``[r0, r1)``."""
 
     __slots__ = ("hi", "leaf", "lo", "r0", "r1", "seen")
 
@@ -477,7 +477,7 @@ def _read_into(src: Any, offset: int, out: np.ndarray, field: str) -> None:
 
 
 def place(leaf: Any, like: Any, key: str) -> Any:
-    """A lazy leaf (:class:`pytreeio.core.tree.LazyLeaf`) as a jax array on ``like``'s sharding,
+    """A lazy leaf (`pytreeio.core.tree.LazyLeaf`) as a jax array on ``like``'s sharding,
     each distinct device slice read on its own; None when the leaf cannot be read in parts."""
     shape = tuple(int(d) for d in like.shape)
     if np.dtype(leaf.dtype).newbyteorder("=") != np.dtype(like.dtype):

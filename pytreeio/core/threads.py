@@ -1,13 +1,13 @@
 """Thread pools for GIL-releasing work (copies, hashes, reads): made on first use, new in a forked child.
 
-Each pool is a :class:`LazyPool`; :func:`pool` is the shared one for copies
-and reads, :func:`cores` how many threads a per-core pool gets, and
-:func:`share` runs a list of jobs on the calling thread and a pool's.
+Each pool is a `LazyPool`; `pool` is the shared one for copies
+and reads, `cores` how many threads a per-core pool gets, and
+`share` runs a list of jobs on the calling thread and a pool's.
 A forked child inherits a pool object but none of its threads, so jobs sent
 to it would wait forever: every pool forgets itself after a fork and the
 child's first job starts a new one.
 
-Every pool comes from :func:`new_pool`: once the interpreter has begun to exit (an
+Every pool comes from `new_pool`: once the interpreter has begun to exit (an
 ``atexit`` handler that saves a last checkpoint), ``concurrent.futures``
 takes no new jobs and starts no threads, so a job submitted then runs at
 once on the submitting thread instead of failing.
@@ -44,7 +44,7 @@ def new_pool(workers: int, prefix: str = "") -> ThreadPoolExecutor:
     """A ``ThreadPoolExecutor`` whose jobs run on the caller's thread once the interpreter exits.
 
     Made while the interpreter exits (``concurrent.futures.thread`` can no
-    longer even be imported then), it is an :class:`_Inline` executor.
+    longer even be imported then), it is an `_Inline` executor.
     """
     if exiting():
         return _inline_class()()  # type: ignore[return-value]
@@ -116,7 +116,7 @@ MAX_THREADS = 8
 
 
 def cores() -> int:
-    """The cores this process may run on (its CPU affinity where known), 1 to :data:`MAX_THREADS`."""
+    """The cores this process may run on (its CPU affinity where known), 1 to `MAX_THREADS`."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
@@ -125,7 +125,7 @@ def cores() -> int:
 
 
 class LazyPool:
-    """A ``ThreadPoolExecutor`` of ``size()`` threads named ``prefix-N``, made by the first :meth:`get`."""
+    """A ``ThreadPoolExecutor`` of ``size()`` threads named ``prefix-N``, made by the first `get`."""
 
     def __init__(self, prefix: str, size: Callable[[], int] = cores) -> None:
         self._prefix = prefix
@@ -152,7 +152,7 @@ _POOL = LazyPool("pytreeio")
 
 
 def pool() -> ThreadPoolExecutor:
-    """The process-wide pool for GIL-releasing copies and reads (:func:`cores` threads)."""
+    """The process-wide pool for GIL-releasing copies and reads (`cores` threads)."""
     return _POOL.get()
 
 

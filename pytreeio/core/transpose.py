@@ -1,10 +1,10 @@
 """Transposes: numpy views copied into C order on the host, jax arrays by a jit kernel where they live.
 
 numpy copies a transposed 2-D view element by element in the destination's
-order, one cache miss per element.  :func:`copy_transposed` copies bands of
-:data:`_TILE` source rows instead (whole cache lines read, ``_TILE``
+order, one cache miss per element.  `copy_transposed` copies bands of
+`_TILE` source rows instead (whole cache lines read, ``_TILE``
 consecutive values written per destination row), 1.4-1.8x numpy's copy on
-one core, and splits a large copy over :func:`pytreeio.core.threads.pool` (numpy
+one core, and splits a large copy over `pytreeio.core.threads.pool` (numpy
 releases the GIL in copies).  Every element is copied, never computed: the
 result is bit-identical to ``view.copy()``.
 """
@@ -75,7 +75,7 @@ def transpose(x: Any, axes: Sequence[int]) -> np.ndarray:
 
     Identity permutations and views whose transpose is already C-contiguous
     come back without a copy.  A numpy array is transposed on the host
-    (:func:`copy_transposed`; a big-endian one comes back little-endian),
+    (`copy_transposed`; a big-endian one comes back little-endian),
     never importing jax: a trip to an accelerator and back costs more than
     the copy, and jax takes no big-endian arrays.  A jax array is transposed
     by a jit-compiled kernel where it lives.

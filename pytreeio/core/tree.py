@@ -21,9 +21,9 @@ NamedTuples and ``None`` itself; other pytree node types (flax struct
 dataclasses, ...) are walked through jax's registry when jax is already
 imported.  jax is never imported by this module.
 
-Flax NNX ``Variable``\\ s are transparent (:mod:`pytreeio.core.nnx`): they add no
-component, leaves are their values, and :func:`restore` rebuilds them from
-``like``.  Typed PRNG keys (:mod:`pytreeio.core.keys`) are leaves; :func:`restore`
+Flax NNX ``Variable``\\ s are transparent (`pytreeio.core.nnx`): they add no
+component, leaves are their values, and `restore` rebuilds them from
+``like``.  Typed PRNG keys (`pytreeio.core.keys`) are leaves; `restore`
 checks them by shape and PRNG implementation.
 """
 
@@ -76,11 +76,11 @@ MISSING: Any = _Missing()
 
 
 class LazyLeaf:
-    """A leaf of a native tree whose value is read only when :func:`restore` places it.
+    """A leaf of a native tree whose value is read only when `restore` places it.
 
-    Lazy views (:mod:`pytreeio.lazy`) put these in the native tree they hand to a
+    Lazy views (`pytreeio.lazy`) put these in the native tree they hand to a
     format's ``restore``; ``shape`` and ``dtype`` describe the stored array, and
-    :meth:`read` returns exactly what ``decode`` would have put there.
+    `read` returns exactly what ``decode`` would have put there.
     """
 
     shape: tuple[int, ...]
@@ -91,7 +91,7 @@ class LazyLeaf:
 
     def place(self, like: Any, key: str) -> Any:
         """This leaf as a jax array on ``like``'s sharding over several devices, each device's
-        slice read on its own; None when it can only be read whole (see :mod:`pytreeio.core.shards`)."""
+        slice read on its own; None when it can only be read whole (see `pytreeio.core.shards`)."""
         return None
 
 
@@ -103,7 +103,7 @@ _PARTIAL: ContextVar[bool] = ContextVar("pytreeio_partial_restore", default=Fals
 
 @contextmanager
 def partial_restore(enabled: bool = True) -> Iterator[None]:
-    """Within this block :func:`restore` (and model restores) ignore file entries ``like`` lacks."""
+    """Within this block `restore` (and model restores) ignore file entries ``like`` lacks."""
     token = _PARTIAL.set(enabled)
     try:
         yield
@@ -149,7 +149,7 @@ def key_string(path: Sequence[Component]) -> str:
 
 
 def parse_key_string(key: str) -> tuple[Component, ...]:
-    """Inverse of :func:`key_string`; raises ``ValueError`` for malformed keys."""
+    """Inverse of `key_string`; raises ``ValueError`` for malformed keys."""
     if key == "":
         return ()
     parts: list[str] = []
@@ -352,12 +352,12 @@ def iter_leaves(
 
 
 def leaf_values(tree: Any) -> Iterator[Any]:
-    """The leaves :func:`iter_leaves` yields, without their paths and in no set order.
+    """The leaves `iter_leaves` yields, without their paths and in no set order.
 
     For questions about the leaves alone ("is any a PRNG key?"): plain dicts,
     lists, tuples and numpy arrays are walked without building paths or
     checking keys (~10x faster); anything else goes through
-    :func:`node_children` as :func:`iter_leaves` does.
+    `node_children` as `iter_leaves` does.
     """
     stack = [tree]
     while stack:
@@ -377,14 +377,14 @@ def leaf_values(tree: Any) -> Iterator[Any]:
                 stack.extend(child for _, child in kids[0])
 
 
-#: Types :func:`node_children` always finds to be leaves, which :func:`flatten` takes as
+#: Types `node_children` always finds to be leaves, which `flatten` takes as
 #: they are (their instances are not NNX Variables); modules add their leaf records.
 _LEAF_TYPES: set[type] = {*_SCALAR_TYPES, np.float32, np.float64, np.int32, np.int64, np.bool_}
 
 
 def register_leaf_type(cls: type) -> None:
-    """Have :func:`flatten` take instances of ``cls`` as leaves without asking
-    :func:`node_children` (which must find them leaves too: an array record with ``shape`` and
+    """Have `flatten` take instances of ``cls`` as leaves without asking
+    `node_children` (which must find them leaves too: an array record with ``shape`` and
     ``dtype`` that is no NNX Variable)."""
     _LEAF_TYPES.add(cls)
 
@@ -397,10 +397,10 @@ def flatten(tree: Any) -> dict[str, Any]:
 
 
 def _flatten_into(node: Any, prefix: str | None, out: dict[str, Any]) -> None:
-    """:func:`flatten` below ``prefix`` (None at the root): the key strings and order of
-    :func:`iter_leaves`, with plain dicts, lists, tuples and numpy arrays walked directly
+    """`flatten` below ``prefix`` (None at the root): the key strings and order of
+    `iter_leaves`, with plain dicts, lists, tuples and numpy arrays walked directly
     (a path tuple per leaf and a generator per level cost ~5 us a leaf); any other node
-    is taken apart by :func:`node_children`, as :func:`iter_leaves` does."""
+    is taken apart by `node_children`, as `iter_leaves` does."""
     kind = type(node)
     if kind is dict:
         keys = _path_keys(node)
@@ -443,8 +443,8 @@ def str_keys(tree: Any) -> Any:
 
 
 def flatten_named(tree: Any) -> dict[str, Any]:
-    """:func:`flatten`, where map keys that form no key path (msgpack's None, 1.5) are
-    named by their ``str()`` (see :func:`str_keys`) instead of refused."""
+    """`flatten`, where map keys that form no key path (msgpack's None, 1.5) are
+    named by their ``str()`` (see `str_keys`) instead of refused."""
     try:
         return flatten(tree)
     except TypeError:
@@ -455,7 +455,7 @@ def _nest(flat: Mapping[str, Any], *, dense: bool = True) -> Any:
     """Nested dicts/lists from canonical keys (lists where the level is ``[i]``).
 
     With ``dense=False`` a level whose indices have gaps (empty subtrees
-    flatten to nothing) becomes a dict keyed by index, for :func:`restore`.
+    flatten to nothing) becomes a dict keyed by index, for `restore`.
     """
     if "" in flat:
         if len(flat) != 1:
@@ -493,12 +493,12 @@ def _lists_from_index_dicts(node: Any, dense: bool) -> Any:
 
 
 def unflatten(flat: Mapping[str, Any], *, like: Any = None) -> Any:
-    """Inverse of :func:`flatten`.
+    """Inverse of `flatten`.
 
     Without ``like`` the tree is rebuilt from the keys alone (``[i]`` levels
     become lists, everything else dicts).  With ``like`` it takes ``like``'s
     exact structure (tuples, NamedTuples, ``None``, custom nodes), and every
-    leaf is checked against ``like``'s leaf (see :func:`restore`).
+    leaf is checked against ``like``'s leaf (see `restore`).
     """
     if like is None:
         return _nest(flat)
@@ -591,7 +591,7 @@ def restore(
     ``native`` may spell sequences as lists or as dicts keyed ``'0'``, ``'1'``
     (flax state dicts) and int keys as strings; ``like``'s structure wins.
     Every array leaf must match ``like``'s shape and dtype exactly (nothing is
-    cast); entries ``like`` lacks or the file lacks raise :class:`MismatchError`
+    cast); entries ``like`` lacks or the file lacks raise `MismatchError`
     naming the key path.  Leaves come back as the kind ``like`` holds: numpy
     for numpy, jax arrays (on ``like``'s sharding) for jax arrays and
     ``ShapeDtypeStruct``, Python scalars for Python scalars.
@@ -676,7 +676,7 @@ def _restore_plain_dict(
 
     The two commonest children are handled inline (this runs once per leaf): a numpy
     leaf the file matches exactly, and a nested str-keyed dict; the key path of a
-    child is built only when it goes through :func:`restore`.
+    child is built only when it goes through `restore`.
     """
     out: dict[str, Any] = {}
     ndarray = np.ndarray
@@ -860,7 +860,7 @@ def _restore_key(native: Any, like: Any, path: str, *, place: bool = True) -> An
 
     Shape and implementation must match exactly; a plain ``uint32`` array is
     not turned into a key (nor a key into one): that is a
-    :class:`MismatchError`, as any other type difference.  With ``place``
+    `MismatchError`, as any other type difference.  With ``place``
     the key goes to ``like``'s sharding when ``like`` is a jax value.
     """
     if not prng_keys.is_key(like) or not prng_keys.is_key(native):
@@ -901,9 +901,9 @@ def first_key_path(tree: Any) -> str | None:
 
 
 def refuse_keys(tree: Any, format_name: str) -> None:
-    """Raise :class:`EncodeError` naming the first typed PRNG key in ``tree`` (for formats that cannot hold keys).
+    """Raise `EncodeError` naming the first typed PRNG key in ``tree`` (for formats that cannot hold keys).
 
-    ``tree`` may also be a :class:`pytreeio.model.form.Model` (its layers' arrays
+    ``tree`` may also be a `pytreeio.model.form.Model` (its layers' arrays
     and optimizer slots are looked at).
     """
     if format_name in prng_keys.HOLDS_KEYS or "jax" not in sys.modules:

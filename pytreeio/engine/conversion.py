@@ -1,27 +1,27 @@
 """Conversion between formats: the rules of the conversion matrix.
 
-:func:`pytreeio.convert` (files) and :func:`pytreeio.convert_encoded` (buffers,
+`pytreeio.convert` (files) and `pytreeio.convert_encoded` (buffers,
 no file system) decode the source and hand its native tree and meta to
-:func:`convert_decoded`, the one code path both share.  It knows no format by
-name: what a format can hold is read off its :class:`~pytreeio.core.records.Format`
+`convert_decoded`, the one code path both share.  It knows no format by
+name: what a format can hold is read off its `pytreeio.core.records.Format`
 record (``to_model``/``from_model``, ``accepts_meta``, ``keeps_meta``).
 
 **Model formats** (netcl, netcl-checkpoint, netcl-params, DataCode, cl-waffe2,
-bullet) convert through the common model form (:mod:`pytreeio.model.form`):
+bullet) convert through the common model form (`pytreeio.model.form`):
 ``to_model`` of the source, then ``from_model`` of the target.  The layer
-list travels in :attr:`Model.layers <pytreeio.model.form.Model.layers>` (netcl's
+list travels in `Model.layers <pytreeio.model.form.Model.layers>` (netcl's
 layer config, DataCode's layers, cl-waffe2's LinearLayer keys and
 pytreeio's sidecar, bullet's ``l{k}w``/``l{k}b`` ids), the optimizer state in
-:class:`~pytreeio.model.optim.OptState` (moments and count; hyperparameters where
+`pytreeio.model.optim.OptState` (moments and count; hyperparameters where
 the target has a place for them), and what a file holds beyond that
 (DataCode's training stages, netcl-checkpoint's ``config``, bullet's log)
-in :attr:`Model.extras <pytreeio.model.form.Model.extras>`, which only its own
+in `Model.extras <pytreeio.model.form.Model.extras>`, which only its own
 format can write back.
 
 **Generic formats that keep meta** (safetensors, and any registered format
 with ``accepts_meta`` and ``keeps_meta`` but no model functions) receive the
 source's *native tree as is*, its meta, and the source format's name under
-the reserved meta key :data:`FORMAT_KEY` (``"pytreeio.format"``).  Nothing is
+the reserved meta key `FORMAT_KEY` (``"pytreeio.format"``).  Nothing is
 lost: converting out of such a file treats it as the named format (its
 ``to_model`` runs, as if the original file were converted), converting back
 to the named format reproduces the original native tree and meta, and
@@ -30,7 +30,7 @@ named format's ``to_model``.  No format knows another: the API looks the
 name up in the registry.
 
 **Generic formats without meta** (msgpack) receive the model's Flax
-variables (:func:`pytreeio.model.form.flax_variables`: ``{'params': {'Dense_0':
+variables (`pytreeio.model.form.flax_variables`: ``{'params': {'Dense_0':
 ...}}`` when the arrays alone determine the model, ``nn.Sequential``'s
 ``layers_N`` otherwise, plus ``'batch_stats'`` and ``'step'`` when present),
 so that converting back works with ``layers=[...]``.  What could not come
@@ -52,9 +52,9 @@ a format holds no layer list, and its reader supplies one with ``layers=``,
 exactly as for a Flax params tree.  Everything else the target cannot hold
 (layer types, BatchNorm statistics, an optimizer kind, a learning rate the
 target needs and the source lacks, DataCode's training stages, a Tiny Llama
-into a layered format, ...) is a :class:`~pytreeio.core.errors.ConversionError`
+into a layered format, ...) is a `pytreeio.core.errors.ConversionError`
 naming it, raised before any byte is written; ``lossy=True`` drops it with a
-:class:`~pytreeio.core.errors.PytreeioWarning` listing exactly what was dropped.
+`pytreeio.core.errors.PytreeioWarning` listing exactly what was dropped.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def split_options(
     """Route each option to the source's load functions and/or the target's save functions.
 
     ``source`` is the format whose tree ``container`` holds (see
-    :func:`carried`), or None before decoding (then any model format's load
+    `carried`), or None before decoding (then any model format's load
     options are allowed for a generic container).  An option no function
     declares raises ``TypeError``.  Between two checkpoints of one format an
     option it takes both ways (DataCode's ``variant``) goes to the target.
@@ -128,7 +128,7 @@ def split_options(
 
 
 def decode_options(container: Format, target: Format, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The options for decoding the source (see :func:`split_options` for one format both ways)."""
+    """The options for decoding the source (see `split_options` for one format both ways)."""
     names = container.load_options
     if container is target:
         names -= target.save_options
@@ -242,7 +242,7 @@ def _encode_or_refuse(
     lossy: bool,
     refused: type[Exception] | tuple[type[Exception], ...] = EncodeError,
 ) -> Encoded:
-    """The target's encoding of ``tree``; what it cannot hold is a :class:`ConversionError`."""
+    """The target's encoding of ``tree``; what it cannot hold is a `ConversionError`."""
     try:
         return encode_tree(target, tree, meta, save_opts, dest, lossy=lossy)
     except refused as exc:
@@ -310,7 +310,7 @@ STREAM_MIN_BYTES = 1 << 16
 
 
 def _streamed_tree(tree: Any, source: Any) -> Any:
-    """``tree`` with each large plain slot a :class:`Streamed` leaf and every other slot read."""
+    """``tree`` with each large plain slot a `Streamed` leaf and every other slot read."""
     from pytreeio.core.tree import is_namedtuple
 
     if isinstance(tree, Slot):
@@ -347,11 +347,11 @@ def open_streamed(
     """``(native tree with Streamed leaves, meta, open source)`` for a conversion that streams.
 
     A conversion streams when the source format has ``slots`` that take every
-    load option given and the target's encoder takes :class:`Streamed` leaves
+    load option given and the target's encoder takes `Streamed` leaves
     (``Format.streams``).  The native tree goes to the target as it is
     (one format both ways, a generic target) or through the common model form, whose transposes,
     reshapes and casts of a streamed array are views made when it is read
-    (:meth:`Streamed.transpose`).  Each tensor is then read when the writer
+    (`Streamed.transpose`).  Each tensor is then read when the writer
     reaches it and dropped after: peak memory is about the largest tensor
     (twice, where it is transposed) plus the headers.
     None when it does not stream (the caller decodes the whole checkpoint);
@@ -378,13 +378,13 @@ def open_streamed(
 
 
 def decode_model(data: Any, format: str | Format, *, layers: Any = None, **options: Any) -> Any:
-    """The :class:`~pytreeio.model.form.Model` of an encoded checkpoint of any format (pure).
+    """The `pytreeio.model.form.Model` of an encoded checkpoint of any format (pure).
 
-    Model formats (and generic files carrying one, see :data:`FORMAT_KEY`)
+    Model formats (and generic files carrying one, see `FORMAT_KEY`)
     go through their ``to_model``; a generic file holding a Flax tree through
-    :func:`pytreeio.model.form.model_of` (``layers=`` places the parameter-free
+    `pytreeio.model.form.model_of` (``layers=`` places the parameter-free
     layers).  A checkpoint that holds no layered model (a Tiny Llama) is a
-    :class:`ConversionError`.
+    `ConversionError`.
     """
     from pytreeio.model.form import is_model_like, model_of
 

@@ -2,7 +2,7 @@
 (through the common model form where it applies), restoring into ``like``, and decoding
 the checkpoint at a path.
 
-:mod:`pytreeio.api` and the other facades (lazy views, async saves, integrity checks,
+`pytreeio.api` and the other facades (lazy views, async saves, integrity checks,
 saves in parts, conversion) are thin callers of these functions.
 """
 
@@ -111,7 +111,7 @@ def errors_located(path: PathLike | None, source: Any = None) -> Iterator[None]:
 
 
 def after_pending_saves(path: PathLike) -> None:
-    """Wait for the background saves (:mod:`pytreeio.async_save`) to ``path`` made so far."""
+    """Wait for the background saves (`pytreeio.async_save`) to ``path`` made so far."""
     pending = sys.modules.get("pytreeio.async_save")  # none were made if it was never imported
     if pending is not None:
         pending.wait_for(path)
@@ -242,7 +242,7 @@ def carried(fmt: Format, meta: Any) -> tuple[Format, Any]:
     """``(format, meta)`` of the tree a checkpoint of ``fmt`` holds.
 
     A generic checkpoint whose meta names a model format under
-    :data:`FORMAT_KEY` holds that format's native tree: the named format and
+    `FORMAT_KEY` holds that format's native tree: the named format and
     the meta without the key.  Any other checkpoint holds its own format's tree.
     """
     if fmt.is_model_format or not isinstance(meta, Mapping) or FORMAT_KEY not in meta:
@@ -260,7 +260,7 @@ def carried(fmt: Format, meta: Any) -> tuple[Format, Any]:
 
 
 def as_source(data: Any) -> Any:
-    """A buffer, or a mapping of them, from an :class:`Encoded`, a buffer or a mapping of either."""
+    """A buffer, or a mapping of them, from an `Encoded`, a buffer or a mapping of either."""
     if isinstance(data, Encoded):
         if data.files is not None:
             return {k: as_source(v) for k, v in data.files.items()}
@@ -311,7 +311,7 @@ def reopening(read: Callable[[], T]) -> T:
 
     A directory's files beyond the first few are opened when they are read, relative
     to the directory opened: a save that replaces the checkpoint meanwhile removes them
-    (:class:`pytreeio.io.ChangedWhileOpen`).  Opening it again reads the new one whole.
+    (`pytreeio.io.ChangedWhileOpen`).  Opening it again reads the new one whole.
     """
     for _ in range(OPENS - 1):
         try:

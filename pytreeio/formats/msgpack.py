@@ -22,14 +22,14 @@ elements per chunk, as flax does.
 Typed PRNG keys (``jax.random.key``) are written as ``{'__msgpack_prng_key__':
 True, 'impl': 'threefry2x32', 'data': <uint32 key data>}`` and read back as
 keys; flax reads that map as it is.  NNX Variables are written as their
-values (:mod:`pytreeio.core.nnx`).  A file without keys is what flax writes.
+values (`pytreeio.core.nnx`).  A file without keys is what flax writes.
 
 Arrays are written from their own buffers (sharded and streamed ones as
 deferred chunks); ``decode`` returns views of the bytes; ``inspect`` and
 ``slots`` read the framing alone.  Reading is bounded: nesting depth, the
-number of containers (:data:`CONTAINER_COST`), shapes and every length.
-``inspect`` lists at most :data:`LIST_LIMIT` scalars per container and
-:data:`SCALAR_BUDGET` per file, counting the rest in
+number of containers (`CONTAINER_COST`), shapes and every length.
+``inspect`` lists at most `LIST_LIMIT` scalars per container and
+`SCALAR_BUDGET` per file, counting the rest in
 ``Info.meta["unlisted_scalars"]``.  With no magic number, ``sniff`` only guesses weakly.
 """
 
@@ -371,8 +371,8 @@ class _Parser:
     """Bounded msgpack parser producing flax's ``msgpack_restore`` values.
 
     ``placeholders``: the array headers a compact buffer's placeholders stand
-    for (:class:`_Compactor`); ``summarise`` (inspect) keeps only what
-    :func:`_entries` lists; ``marked``: where each chunked-array or key map was read.
+    for (`_Compactor`); ``summarise`` (inspect) keeps only what
+    `_entries` lists; ``marked``: where each chunked-array or key map was read.
     """
 
     def __init__(
@@ -715,7 +715,7 @@ class _KeyHeader:
 
 
 def _prng_key_one(node: dict[str, Any], fail: Any) -> Any:
-    """The typed key a PRNG key map holds (a :class:`_KeyHeader` when the data was skipped)."""
+    """The typed key a PRNG key map holds (a `_KeyHeader` when the data was skipped)."""
     if set(node) != {_PRNG_KEY, "impl", "data"} or node[_PRNG_KEY] is not True:
         raise fail(f"malformed PRNG key: keys {sorted(map(str, node))!r:.80}")
     impl, data = node["impl"], node["data"]
@@ -887,7 +887,7 @@ _PLACEHOLDER = 0x7E
 
 class _Compactor:
     """The framing of a msgpack file with its array payloads cut out (see above), for
-    :func:`_walk_framing`."""
+    `_walk_framing`."""
 
     def __init__(self, source: ByteSource) -> None:
         self.source = source
@@ -969,7 +969,7 @@ class _Compactor:
 
 
 def _parse_compact(source: ByteSource, *, summarise: bool = False) -> Any:
-    """:func:`_parse` of the file's framing alone (see above)."""
+    """`_parse` of the file's framing alone (see above)."""
     c = _Compactor(source)
     _walk_framing(c)
     try:

@@ -36,14 +36,14 @@ The structure document (``pytreeio.core.tree``), one JSON value per tree node::
     {"list": [node, ...]}, {"tuple": [...]}    a list, a tuple
     {"namedtuple": name, "fields": [...], "items": [node, ...]}
 
-Reading is bounded: every JSON document goes through :func:`pytreeio.core.jsonsafe.loads`
+Reading is bounded: every JSON document goes through `pytreeio.core.jsonsafe.loads`
 (depth, value count, NaN, duplicate keys), trees nest at most
-:data:`MAX_TREE_DEPTH` levels, shapes are checked with
-:func:`pytreeio.core.binary.check_shape`, namedtuple names must be identifiers that
-are not keywords, at most :data:`MAX_NAMEDTUPLE_CLASSES` distinct namedtuple
+`MAX_TREE_DEPTH` levels, shapes are checked with
+`pytreeio.core.binary.check_shape`, namedtuple names must be identifiers that
+are not keywords, at most `MAX_NAMEDTUPLE_CLASSES` distinct namedtuple
 classes are created per file, and a scalar's kind must match its tensor's dtype.
 
-Flax NNX Variables are stored as their values (see :mod:`pytreeio.core.nnx`), so
+Flax NNX Variables are stored as their values (see `pytreeio.core.nnx`), so
 ``nnx.state(model)`` is stored as its pure dict and restored into ``like``'s
 Variables.
 """
@@ -392,7 +392,7 @@ def _streamed_encoding(
     header_text: Any,
     hashed: Callable[[], dict[str, str]] | None = None,
 ) -> Encoded:
-    """Chunks of a tree with :class:`Streamed` arrays: each read when written, the header last.
+    """Chunks of a tree with `Streamed` arrays: each read when written, the header last.
 
     With checksums, each streamed tensor is hashed as it is read and the header
     (same length: every checksum has 16 hex digits) is written after the data;
@@ -801,7 +801,7 @@ def _checked_reader(slot: Slot, want: str | None) -> Any:
 
 
 def _views(view: memoryview, base: int, entries: _Entries) -> dict[str, np.ndarray]:
-    """Each entry's array, a view of ``view`` (entries checked by :func:`_read_header`)."""
+    """Each entry's array, a view of ``view`` (entries checked by `_read_header`)."""
     return {
         name: np.frombuffer(view, dt, (e - b) // dt.itemsize, base + b).reshape(shape)
         for name, (dt, shape, b, e) in entries.items()
@@ -812,7 +812,7 @@ def decode(buffer: Any, *, verify: bool = False) -> Decoded:
     """The tree in a safetensors buffer (arrays are views of it).
 
     ``verify`` checks the per-tensor checksums pytreeio records (files from
-    other tools have none); a mismatch is a :class:`FormatError` whose
+    other tools have none); a mismatch is a `FormatError` whose
     ``field`` is the tensor's name and ``offset`` the start of its data.
     """
     r = Reader(buffer)
@@ -855,7 +855,7 @@ def inspect(source: ByteSource) -> Info:
 
 
 class _SlotRebuilder(_Rebuilder):
-    """The tree of :func:`slots`: :class:`Slot` leaves, each checked as ``decode`` checks the array."""
+    """The tree of `slots`: `Slot` leaves, each checked as ``decode`` checks the array."""
 
     def leaf(self, node: dict[str, Any]) -> Any:
         slot, convert = self.resolve(node)  # slots, not arrays, in self.arrays
@@ -867,7 +867,7 @@ def _item(arr: np.ndarray) -> Any:
 
 
 def slots(source: ByteSource, *, verify: bool = False) -> Slots:
-    """Where each tensor lies, from the header alone (8 + N bytes read); see :class:`Slot`.
+    """Where each tensor lies, from the header alone (8 + N bytes read); see `Slot`.
 
     ``verify``: each slot checks its tensor's bytes against the checksum
     pytreeio recorded when it is read (as ``decode(verify=True)`` does for

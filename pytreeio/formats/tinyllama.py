@@ -48,7 +48,7 @@ Native tree (``decode`` output, ``encode`` input)::
 meta = ``{'config': {d_model, n_layers, n_heads, ffn_hidden_dim, max_seq_len,
 vocab_size, dropout}}``, ``dropout`` as the float32 stored (so it writes back
 the same four bytes).  ``encode`` also accepts the Flax layout of
-:mod:`pytreeio.models.tinyllama` (``layers_N`` keys, optional ``{'params':
+`pytreeio.models.tinyllama` (``layers_N`` keys, optional ``{'params':
 ...}``), and ``restore`` maps the native tree onto either layout.
 
 Stricter than the original loader: every truncation is an error at the
@@ -369,7 +369,7 @@ def decode(
     source: str | None = None,
 ) -> Decoded:
     """The native tree of a whole weights file (float32 views of ``buffer``); a field of
-    ``expected_config`` (some of :data:`CONFIG_FIELDS`) the file differs in is a :class:`MismatchError`."""
+    ``expected_config`` (some of `CONFIG_FIELDS`) the file differs in is a `MismatchError`."""
     r = Reader(buffer, source=source)
     cfg = _read_header(r)
     _check_expected(cfg, expected_config)
@@ -726,7 +726,7 @@ def encode(
 def restore(native: Any, meta: Mapping[str, Any], like: Any) -> Any:
     """Map the native tree onto ``like``: the native layout or the Flax one, with or
     without a ``{'params': ...}`` wrapper.  Shapes and dtypes are checked by
-    :func:`pytreeio.core.tree.restore`."""
+    `pytreeio.core.tree.restore`."""
     from pytreeio.core.tree import restore as restore_tree
 
     inner = like

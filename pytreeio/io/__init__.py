@@ -1,11 +1,11 @@
 """All file-system access of pytreeio: probes, reads and crash-safe writes.
 
-- :mod:`~pytreeio.io.probes`: what sniffing sees of a path (:func:`probe`), and what a save
-  changes of it (:func:`identity`);
-- :mod:`~pytreeio.io.reads`: whole files, ranges (:class:`FileSource`), sets of files
-  (:class:`FileSet`), directory walks;
-- :mod:`~pytreeio.io.sources`: :func:`open_source`, a checkpoint's files as one save's;
-- :mod:`~pytreeio.io.atomic`: :func:`write_atomic` and its lock and journal (old or new,
+- `pytreeio.io.probes`: what sniffing sees of a path (`probe`), and what a save
+  changes of it (`identity`);
+- `pytreeio.io.reads`: whole files, ranges (`FileSource`), sets of files
+  (`FileSet`), directory walks;
+- `pytreeio.io.sources`: `open_source`, a checkpoint's files as one save's;
+- `pytreeio.io.atomic`: `write_atomic` and its lock and journal (old or new,
   never a mix, also under SIGKILL and concurrent savers).
 """
 

@@ -11,7 +11,7 @@ it under a journal, ``dest -> old`` then ``tmp -> dest``.  A failure before the 
 leaves the old checkpoint untouched.  Replaced files keep their permission bits; a symlinked
 destination is written through; temporary names fit ``NAME_MAX``.
 
-Readers of linked ``Siblings`` and of directories (:func:`read_locked`) take the shared lock
+Readers of linked ``Siblings`` and of directories (`read_locked`) take the shared lock
 while they open every file, so they never interleave with a save; a journal found then belongs
 to a dead save and is rolled forward (or, in a read-only directory, its temporaries are read).
 Where a directory cannot be opened or locked (no read permission; NFS refuses exclusive
@@ -55,7 +55,7 @@ _NAME_BUDGET = 255 - 40
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.EBADF, errno.ENOSYS)
 
 #: A directory holding at least this many bytes, in at least two files of at least
-#: :data:`_PARALLEL_FILE_MIN`, is written on one thread per core (a file each at a time):
+#: `_PARALLEL_FILE_MIN`, is written on one thread per core (a file each at a time):
 #: the kernel serialises writes to one inode, not to different files.  Measured on 2 cores
 #: against one raw writer: bullet's raw save 0.87x -> 1.35x, its quantised save 0.76x -> 0.98x.
 _PARALLEL_DIR_MIN = 64 << 20
@@ -93,7 +93,7 @@ def resolve(path: Path) -> Path:
 
 
 def _write_chunks(fd: int, chunks: Sequence[Buffer]) -> None:
-    """Write ``chunks`` in order; :class:`Deferred` ones are produced one at a time.
+    """Write ``chunks`` in order; `Deferred` ones are produced one at a time.
 
     A deferred chunk's buffer is dropped before the next is produced (a streamed conversion
     holds one tensor at a time); late ones are skipped, then produced and written at their
@@ -421,7 +421,7 @@ def file_in_parts(path: str | os.PathLike[str], size: int, durable: bool = True)
 
     Yields the temporary's path (next to the destination, under the lock on the destination's
     directory, after recovering from dead saves as every save does); writers open it and
-    ``pwrite`` their ranges (:func:`pytreeio.multihost.save_in_parts`).  When the block exits
+    ``pwrite`` their ranges (`pytreeio.multihost.save_in_parts`).  When the block exits
     normally the file is fsync'd (``durable``) and renamed over ``path``; when it raises the
     temporary is removed and the old checkpoint stays.  The block holds that lock: a save or
     load of a sibling set or directory in the same directory, on the same thread, inside
@@ -452,7 +452,7 @@ def file_in_parts(path: str | os.PathLike[str], size: int, durable: bool = True)
 
 
 class PartWriter(Closing):
-    """One writer's descriptor of a :func:`file_in_parts` temporary, writing at offsets."""
+    """One writer's descriptor of a `file_in_parts` temporary, writing at offsets."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
@@ -480,7 +480,7 @@ class PartWriter(Closing):
 
 def _populate_dir(root: Path, encoded: Encoded, durable: bool) -> None:
     """Write every file of ``encoded`` under ``root`` (a fresh directory), largest first on
-    :func:`_file_writers` threads when large (a streaming conversion then holds one tensor
+    `_file_writers` threads when large (a streaming conversion then holds one tensor
     per writing thread)."""
     assert encoded.files is not None
     made: set[Path] = {root}

@@ -1,5 +1,5 @@
-"""What sniffing sees of a path (:func:`probe`, :func:`probe_buffer` for in-memory files), and
-what a save changes of it (:func:`identity`).  Probes never raise for missing or unreadable
+"""What sniffing sees of a path (`probe`, `probe_buffer` for in-memory files), and
+what a save changes of it (`identity`).  Probes never raise for missing or unreadable
 paths, and read a bounded amount of any file."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ _MAX_HEADS = 32
 def _zip_members(source: ByteSource) -> tuple[str, ...] | None:
     """A ZIP's member names (at most ``_MAX_MEMBERS``), or None when they cannot be read.
 
-    :func:`pytreeio.containers.zip.member_names` reads the end records and the central
+    `pytreeio.containers.zip.member_names` reads the end records and the central
     directory only (bounded); a hostile archive costs at most that.
     """
     from pytreeio.containers.zip import member_names
@@ -111,7 +111,7 @@ def _probe_with(
     probe_file: Callable[[Path], Probe],
     probe_dir: Callable[[Path], Probe],
 ) -> Probe:
-    """:func:`probe`'s choice of probes by layout, over any file system."""
+    """`probe`'s choice of probes by layout, over any file system."""
     if isinstance(layout, Directory):
         return probe_dir(p)
     base = probe_file(p)
@@ -160,10 +160,10 @@ def probe(
 def probe_buffer(
     path: str | os.PathLike[str], files: Mapping[str | os.PathLike[str], Buffer], layout: Layout
 ) -> Probe:
-    """:func:`probe` of ``path`` over an in-memory file system (for fuzzing the sniffers).
+    """`probe` of ``path`` over an in-memory file system (for fuzzing the sniffers).
 
     ``files`` maps each file's path to its content; a directory exists where some file lies
-    below it.  The probe is the one :func:`probe` builds for the same files on disk (same
+    below it.  The probe is the one `probe` builds for the same files on disk (same
     heads, sizes, ZIP members, listings).
     """
     store = {Path(k).as_posix(): v for k, v in files.items()}

@@ -1,11 +1,11 @@
-"""Reading files: whole (:func:`read_file`), by range (:class:`FileSource`), as a checkpoint's
-named set (:class:`FileSet`), and walking a directory checkpoint (:func:`walk`).
+"""Reading files: whole (`read_file`), by range (`FileSource`), as a checkpoint's
+named set (`FileSet`), and walking a directory checkpoint (`walk`).
 
 A whole file is read with ``preadv`` into one fresh, uninitialised buffer (several threads for
 large files); arrays decoded from it are views.  A file that another program truncates meanwhile
-is a :class:`FormatError` at the first missing byte.  ``mmap=True`` maps files instead (opt-in:
+is a `FormatError` at the first missing byte.  ``mmap=True`` maps files instead (opt-in:
 such a truncation then kills the process with SIGBUS).  Nothing here locks:
-:func:`pytreeio.io.sources.open_source` opens a checkpoint's files consistently.
+`pytreeio.io.sources.open_source` opens a checkpoint's files consistently.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _SUBDIR_FLAGS = os.O_RDONLY | O_DIRECTORY | O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 
-#: pytreeio's own files beside a checkpoint (:mod:`pytreeio.io.atomic`'s temporaries and
+#: pytreeio's own files beside a checkpoint (`pytreeio.io.atomic`'s temporaries and
 #: journals; lock files of older versions): never part of a checkpoint.
 _OWN_FILE = re.compile(r"\.pytreeio-(?:tmp-\d+-[0-9a-f]{8}|lock|journal)\Z")
 
@@ -76,7 +76,7 @@ def _read_range(fd: int, view: memoryview, offset: int, name: str, field: str) -
 
 
 def _read_ranges(fd: int, view: memoryview, offset: int, name: str, field: str) -> None:
-    """:func:`_read_range`, in blocks on several threads when ``view`` is large."""
+    """`_read_range`, in blocks on several threads when ``view`` is large."""
     if len(view) < _PARALLEL_MIN:
         _read_range(fd, view, offset, name, field)
         return
@@ -159,7 +159,7 @@ class Closing:
 
 
 class FileSource(Closing, ByteSource):
-    """A :class:`ByteSource` that ``pread``\\ s ranges of a file on demand (never maps it).
+    """A `ByteSource` that ``pread``\\ s ranges of a file on demand (never maps it).
 
     ``fd``: an open descriptor of ``path`` to use (and close) instead of opening it.
     """
@@ -174,7 +174,7 @@ class FileSource(Closing, ByteSource):
         self.bytes_read = 0
 
     def read(self, offset: int, n: int, field: str) -> memoryview:
-        """``n`` bytes at ``offset``; a :class:`FormatError` naming ``field`` (a tensor's name)
+        """``n`` bytes at ``offset``; a `FormatError` naming ``field`` (a tensor's name)
         if the file is shorter, or was shortened since it was opened."""
         self._check_range(offset, n, field)
         view = np.empty(n, dtype=np.uint8).data  # uninitialised: no zero-fill
@@ -199,7 +199,7 @@ class FileSource(Closing, ByteSource):
 
     def read_scattered(self, offset: int, buffers: Sequence[memoryview], field: str) -> None:
         """Fill ``buffers`` one after another from the file at ``offset``, one ``preadv`` per
-        :data:`IOV_MAX` buffers (a short read finishes buffer by buffer)."""
+        `IOV_MAX` buffers (a short read finishes buffer by buffer)."""
         n = sum(len(b) for b in buffers)
         self._check_range(offset, n, field)
         at = offset
@@ -220,22 +220,22 @@ class FileSource(Closing, ByteSource):
 
 
 class ChangedWhileOpen(FileNotFoundError):
-    """A file a :class:`FileSet` listed when it was opened is gone when read: the checkpoint
+    """A file a `FileSet` listed when it was opened is gone when read: the checkpoint
     was replaced or changed since (a save elsewhere removed the files of the one it replaced).
 
-    :func:`pytreeio.load`, :func:`pytreeio.inspect` and :func:`pytreeio.verify` open the
+    `pytreeio.load`, `pytreeio.inspect` and `pytreeio.verify` open the
     checkpoint again when they meet it (three times in all, then raise it); a lazy view
-    (:func:`pytreeio.open`) holds every file it read a header of and never meets it there.
+    (`pytreeio.open`) holds every file it read a header of and never meets it there.
     """
 
 
 class FileSet(Closing, Mapping[str, Any]):
     """Named files of a checkpoint, read on access.
 
-    Keys are a directory's relative POSIX paths (:meth:`directory`) or a sibling layout's
-    roles.  ``headers=True`` yields :class:`FileSource` objects instead of whole buffers (for
+    Keys are a directory's relative POSIX paths (`directory`) or a sibling layout's
+    roles.  ``headers=True`` yields `FileSource` objects instead of whole buffers (for
     ``inspect``).  Files may be held open (``open_source`` opens them under the lock, so that
-    a later save cannot mix into what is read); :meth:`close` releases them.
+    a later save cannot mix into what is read); `close` releases them.
     """
 
     def __init__(
@@ -311,7 +311,7 @@ class FileSet(Closing, Mapping[str, Any]):
             os.close(fd)
 
     def ranges(self, name: str) -> FileSource | None:
-        """File ``name`` as a :class:`FileSource`, for a format that reads it itself (an npz
+        """File ``name`` as a `FileSource`, for a format that reads it itself (an npz
         archive into its members' buffers), or None where the set maps its files (``mmap``)."""
         return None if self._mmap else FileSource(self.paths[name], fd=self._own_fd(name))
 
@@ -338,8 +338,8 @@ class FileSet(Closing, Mapping[str, Any]):
 
 
 class FilesOf(Mapping[str, Any], Generic[_Set]):
-    """A mapping over the files of a :class:`FileSet` (or of another ``FilesOf``) whose
-    values subclasses choose (:meth:`__getitem__`); membership, names and paths are the set's."""
+    """A mapping over the files of a `FileSet` (or of another ``FilesOf``) whose
+    values subclasses choose (`__getitem__`); membership, names and paths are the set's."""
 
     def __init__(self, files: _Set) -> None:
         self._files = files
@@ -371,8 +371,8 @@ def _walk(root: Path, *, dir_fd: int | None = None, limit: int | None = None) ->
     ``root`` may itself be a symlink to a directory; below it, symlinked directories are not
     descended into and symlinked files count only when they resolve to a file inside ``root``.
     ``dir_fd``: ``root`` already open.  Each directory's files come sorted, then its
-    subdirectories' (sorted, depth first).  Nesting deeper than :data:`MAX_DEPTH` is a
-    :class:`FormatError`.
+    subdirectories' (sorted, depth first).  Nesting deeper than `MAX_DEPTH` is a
+    `FormatError`.
     """
     if dir_fd is None:
         fd = os.open(root, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
@@ -389,7 +389,7 @@ def _walk(root: Path, *, dir_fd: int | None = None, limit: int | None = None) ->
 
 
 def _below(fd: int, base: str, root: str, rel_dir: str, depth: int = 0) -> Generator[str]:
-    """:func:`_walk` of the open directory ``fd`` (``rel_dir`` below the root)."""
+    """`_walk` of the open directory ``fd`` (``rel_dir`` below the root)."""
     files, dirs = _scan(fd, base, rel_dir)
     for name in files:
         yield rel_dir + name

@@ -1,7 +1,7 @@
-"""What a format decodes from: :func:`open_source` opens a checkpoint's files as one save's.
+"""What a format decodes from: `open_source` opens a checkpoint's files as one save's.
 
 A ``FILE`` is read whole (one rename replaces it: no lock needed).  Linked ``Siblings`` and
-directories are opened under the shared lock of :mod:`pytreeio.io.atomic`, after rolling
+directories are opened under the shared lock of `pytreeio.io.atomic`, after rolling
 forward a save that died, so that what is read is the complete old or the complete new set.
 """
 
@@ -92,8 +92,8 @@ def open_source(
 ) -> Any:
     """What a format's ``decode`` (or ``inspect``, ``headers=True``) reads from.
 
-    ``FILE``: the file's bytes (a :class:`FileSource` with ``headers``).  ``DIRECTORY``: a
-    :class:`FileSet` of the files below ``path``.  ``Siblings``: a :class:`FileSet` of the
+    ``FILE``: the file's bytes (a `FileSource` with ``headers``).  ``DIRECTORY``: a
+    `FileSet` of the files below ``path``.  ``Siblings``: a `FileSet` of the
     located roles that exist, opened together (linked roles under the shared lock, after
     rolling forward a save that died), so they are one save's files.
 

@@ -1,20 +1,20 @@
 """The common model form that conversion between model formats runs through.
 
-A :class:`Model` is an ordered list of :class:`Layer` values plus an optional
-optimizer state (:class:`pytreeio.model.optim.OptState`) aligned with its
+A `Model` is an ordered list of `Layer` values plus an optional
+optimizer state (`pytreeio.model.optim.OptState`) aligned with its
 parameters.  Every format that holds a layered model provides two pure
 functions on its record, ``to_model(native, meta) -> Model`` and
 ``from_model(model) -> (native, meta)``; its naming convention and transposes
 live there, written once.  Flax trees map onto a Model here, once, for every
 format.
 
-The layer vocabulary is :data:`LAYERS` (each type's arguments with their
+The layer vocabulary is `LAYERS` (each type's arguments with their
 defaults, and its arrays).  Arrays are **in Flax orientation**: Linear
 ``kernel`` (in, out); Conv2d ``kernel`` HWIO (k, k, in/groups, out); biases
 and BatchNorm2d's ``scale``, ``bias`` and statistics ``mean``, ``var`` (n,).
 
 **Parameter order** (the order of ``model.params`` and of every optimizer
-slot list): layer order, then the type's :attr:`LayerSpec.params` order
+slot list): layer order, then the type's `LayerSpec.params` order
 (kernel, bias; scale, bias).  BatchNorm statistics are not parameters.
 
 **Flax trees** (``Model.from_flax`` / ``Model.to_flax``): a params tree or a
@@ -81,7 +81,7 @@ class LayerSpec:
     """A layer type of the common vocabulary.
 
     Attributes:
-      args: ``(name, default)`` in canonical order (:data:`REQUIRED` for none).
+      args: ``(name, default)`` in canonical order (`REQUIRED` for none).
       params: trainable arrays (Flax names) in parameter order.
       stats: non-trainable arrays (BatchNorm running statistics).
       flax: the Flax module base name (``Dense``), None for parameter-free layers.
@@ -317,7 +317,7 @@ def layer_list(value: Any) -> list[Any] | None:
 def normalize_layers(
     entries: Sequence[Any] | None, arrays: Sequence[Mapping[str, Any]]
 ) -> list[Layer]:
-    """Full :class:`Layer` values for per-layer arrays (Flax orientation) and optional entries.
+    """Full `Layer` values for per-layer arrays (Flax orientation) and optional entries.
 
     Entries may be partial (``"ReLU"``, ``{"type": "Linear"}``): args of
     parameter layers are inferred from the arrays, others get defaults.
@@ -366,7 +366,7 @@ class Model:
 
     Attributes:
       layers: the layers in network order.
-      opt_state: the optimizer state aligned with :attr:`params`, if any.
+      opt_state: the optimizer state aligned with `params`, if any.
       step: a training step counter kept beside the parameters (TrainState.step).
       extras: what a format's file holds beyond the common form, by format name
         (``{"datacode": {"training": {...}}}``): only the format's own
@@ -525,7 +525,7 @@ class Model:
             )
 
     def param_paths(self, params_like: Any) -> list[tuple[str, ...]]:
-        """Key paths (into ``params_like``'s params tree) of :attr:`params`, in parameter order."""
+        """Key paths (into ``params_like``'s params tree) of `params`, in parameter order."""
         params = _split_flax_or_raise(params_like)[0]
         index = _flax_index(list(params), [layer.type for layer in self.layers])
         by_layer = {i: name for name, i in index.items()}
@@ -542,7 +542,7 @@ class Model:
 
 
 def _inferred_layers(arrays: Sequence[Any]) -> list[dict[str, Any]]:
-    """A parameter list's arrays grouped into layers by their shapes (see :meth:`Model.from_params`)."""
+    """A parameter list's arrays grouped into layers by their shapes (see `Model.from_params`)."""
     per_layer: list[dict[str, Any]] = []
     i = 0
     while i < len(arrays):
@@ -699,7 +699,7 @@ _STATE_KEYS = ("opt_state", "optim_state")
 
 @dataclass(frozen=True)
 class _Parts:
-    """A model-shaped tree taken apart (``shape``: see :func:`model_like_shape`)."""
+    """A model-shaped tree taken apart (``shape``: see `model_like_shape`)."""
 
     shape: str
     params: Any
@@ -770,7 +770,7 @@ def _on_slot_view(params: Any, model: Model, fn: Any) -> Any:
 def model_of(
     tree: Any, *, layers: Any = None, hyperparams: Mapping[str, Any] | None = None
 ) -> Model:
-    """The :class:`Model` of a model-shaped tree (its optimizer state and step included)."""
+    """The `Model` of a model-shaped tree (its optimizer state and step included)."""
     parts = _parts(tree)
     if parts is None:
         raise MismatchError(
@@ -879,9 +879,9 @@ def flax_names(model: Model) -> list[str | None]:
 
 
 def flax_variables(model: Model) -> dict[str, Any]:
-    """``{'params': {...}}`` (+ ``'batch_stats'``) of the model's arrays, named by :func:`flax_names`.
+    """``{'params': {...}}`` (+ ``'batch_stats'``) of the model's arrays, named by `flax_names`.
 
-    The inverse of :meth:`Model.from_flax` (given the layer list when the
+    The inverse of `Model.from_flax` (given the layer list when the
     names are ``layers_N`` with gaps).  Arrays are the model's own, not copies.
     """
     params: dict[str, Any] = {}
@@ -900,7 +900,7 @@ def flax_variables(model: Model) -> dict[str, Any]:
 
 
 def lost_extras(model: Model, target: str) -> list[str]:
-    """The :attr:`Model.extras` that a ``target`` format other than their own cannot hold."""
+    """The `Model.extras` that a ``target`` format other than their own cannot hold."""
     return [f"{fmt} {key}" for fmt, items in model.extras.items() if fmt != target for key in items]
 
 
@@ -919,7 +919,7 @@ def training_state(model: Model) -> list[str]:
 
 
 def refuse_or_warn(problems: Sequence[str], target: str, lossy: bool, *, hint: str = "") -> None:
-    """Raise :class:`ConversionError` listing ``problems``, or with ``lossy`` warn that they are dropped.
+    """Raise `ConversionError` listing ``problems``, or with ``lossy`` warn that they are dropped.
 
     ``hint`` is appended to the error's reason (where the information would fit).
     """
@@ -935,7 +935,7 @@ def refuse_or_warn(problems: Sequence[str], target: str, lossy: bool, *, hint: s
 
 
 def refuse(problems: Sequence[str], target: str) -> None:
-    """Raise :class:`ConversionError` listing what ``target`` cannot hold."""
+    """Raise `ConversionError` listing what ``target`` cannot hold."""
     if problems:
         raise ConversionError(
             f"format {target!r} cannot hold: {', '.join(problems)}", what=list(problems)

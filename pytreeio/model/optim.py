@@ -1,14 +1,14 @@
-"""optax optimizer states <-> a format-neutral :class:`OptState`.
+"""optax optimizer states <-> a format-neutral `OptState`.
 
 Formats keep optimizer state in their own conventions (netcl ``{"t", "moments"}``,
 cl-waffe2 ``m``/``v``/``n``, bullet ``momentum.bin``/``velocity.bin``) and map
-it to and from :class:`OptState`; this module maps :class:`OptState` to and
+it to and from `OptState`; this module maps `OptState` to and
 from optax.  Kinds, the optax state each is read from, and its slots:
 
 - ``sgd``: no core state (only ``EmptyState`` parts); no slots.
 - ``momentum``/``nesterov``: ``TraceState``; slot ``trace``.  Both have the
   same state (``inject_hyperparams`` keeps the flag static), so it reads as
-  ``momentum`` unless :func:`extract` is given ``hyperparams={"nesterov": True}``.
+  ``momentum`` unless `extract` is given ``hyperparams={"nesterov": True}``.
 - ``adagrad``: ``ScaleByRssState``; slot ``sum_of_squares``.
 - ``rmsprop``: ``ScaleByRmsState``, or ``ScaleByRStdDevState`` when centered
   (slot ``mu`` too); their ``...WithCountState`` with ``bias_correction``;
@@ -22,7 +22,7 @@ from optax.  Kinds, the optax state each is read from, and its slots:
   NAdam has Adam's state: pass ``hyperparams={"nesterov": True}`` to record it.
 
 ``adam``/``adamw`` and ``momentum``/``nesterov`` hold the same data, so
-:func:`rebuild` fills either state from either kind (netcl does not tell them
+`rebuild` fills either state from either kind (netcl does not tell them
 apart; the update rule is the caller's optimizer's).
 
 ``count`` is the step count: every step counter in the state (the core
@@ -34,7 +34,7 @@ The core state may sit anywhere in chains, under ``inject_hyperparams``
 ``optax.masked`` (masked-out parameters have ``None`` slots).  Stateless
 parts are ignored.  Any other state with data (``ScaleByAmsgradState``,
 ``MultiStepsState``, a second core state, ...) is a
-:class:`~pytreeio.core.errors.MismatchError` naming its type and key path:
+`pytreeio.core.errors.MismatchError` naming its type and key path:
 nothing is dropped silently.
 
 Slots are lists in *parameter order*: ``order`` is a sequence of key paths
@@ -76,7 +76,7 @@ __all__ = [
     "nested_to_array",
 ]
 
-#: The optimizer kinds an :class:`OptState` can hold.
+#: The optimizer kinds an `OptState` can hold.
 KINDS = ("sgd", "momentum", "nesterov", "adagrad", "rmsprop", "adam", "adamw")
 
 KeyPath = tuple[Any, ...]
@@ -88,7 +88,7 @@ class OptState:
     """An optimizer state, independent of optax's chain layout and of any file format.
 
     Attributes:
-      kind: one of :data:`KINDS`.
+      kind: one of `KINDS`.
       hyperparams: optax argument names -> values (``learning_rate``, ``b1``,
         ``b2``, ``eps``, ``eps_root``, ``weight_decay``, ``momentum``,
         ``decay``, ``initial_accumulator_value``, ...; flags such as
@@ -519,20 +519,20 @@ def extract(
     order: Sequence[Any] | None = None,
     hyperparams: Mapping[str, Any] | None = None,
 ) -> OptState:
-    """The :class:`OptState` of an optax optimizer state.
+    """The `OptState` of an optax optimizer state.
 
     Args:
       opt_state: what ``optimizer.init``/``update`` returned (concrete arrays).
       params: the parameters (or any tree of their structure, e.g. from
         ``jax.eval_shape``); only its key paths are used.
       order: key paths into ``params`` giving the parameter order of the slot
-        lists (a permutation of all parameters); default :func:`default_order`.
+        lists (a permutation of all parameters); default `default_order`.
       hyperparams: hyperparameters the state does not show (``optax.adam(lr)``
         keeps none; ``inject_hyperparams`` the numeric ones, which must agree
         after rounding to their dtype).  ``nesterov`` is consumed: with a
         ``TraceState`` it makes the kind ``"nesterov"``.
 
-    Raises :class:`MismatchError` for states that cannot be mapped (see the
+    Raises `MismatchError` for states that cannot be mapped (see the
     module docstring), slot trees that do not match ``params``, disagreeing
     step counts and contradictory hyperparameters.
     """
@@ -622,7 +622,7 @@ def _hyper_value(value: Any, like: Any, path: Path) -> Any:
 
 
 class _Filler:
-    """Rebuilds ``like`` with the values of an :class:`OptState`."""
+    """Rebuilds ``like`` with the values of an `OptState`."""
 
     def __init__(self, opt: OptState, keys: list[KeyPath]) -> None:
         self.opt = opt
@@ -786,14 +786,14 @@ def rebuild(
         kept exactly; leaves come back as its kind (jax arrays for jax arrays and
         ``ShapeDtypeStruct``, on their sharding; numpy for numpy).
       params_like: the parameters (or their ``eval_shape``); only key paths used.
-      order: as in :func:`extract`, for the slot lists of ``opt``.
+      order: as in `extract`, for the slot lists of ``opt``.
 
     Every step count in ``like`` is set to ``opt.count``; injected
     hyperparameters are set from ``opt.hyperparams`` (each must be there;
     rounded to the state's dtype as ``inject_hyperparams`` rounds them).  Slot
     arrays must match ``like``'s shape and dtype exactly (nothing is cast).
 
-    Raises :class:`MismatchError` naming the key path for everything ``opt``
+    Raises `MismatchError` naming the key path for everything ``opt``
     cannot fill or ``like`` cannot hold: another layout, missing or extra
     slots, masked entries that differ, a step count on one side only, state
     parts pytreeio does not map, and leaves that are not arrays.
@@ -867,10 +867,10 @@ def build(kind: str, hyperparams: Mapping[str, Any] | None = None) -> Any:
     others the optax function of that name, taking its argument names
     (``learning_rate``, and ``momentum`` for momentum/nesterov, are required).
     ``inject_hyperparams`` keeps the numeric hyperparameters in the state (as
-    arrays of the params' dtype, so :func:`extract` reads them back; flags are
+    arrays of the params' dtype, so `extract` reads them back; flags are
     static): updates equal the unwrapped optimizer's up to that rounding.
 
-    Raises :class:`MismatchError` for an unknown kind, an unknown or missing
+    Raises `MismatchError` for an unknown kind, an unknown or missing
     hyperparameter, or one that contradicts the kind (momentum for ``sgd``).
     """
     import optax

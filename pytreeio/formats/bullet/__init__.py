@@ -1,3 +1,3 @@
-"""bullet NNUE checkpoints: the checkpoint directory (:mod:`.checkpoint`), its saved format
-(:mod:`.layout`), tagged records (:mod:`.records`), network files (:mod:`.network`) and models
-(:mod:`.models`)."""
+"""bullet NNUE checkpoints: the checkpoint directory (`.checkpoint`), its saved format
+(`.layout`), tagged records (`.records`), network files (`.network`) and models
+(`.models`)."""

@@ -4,7 +4,7 @@ A directory; no file has a magic number, version or header; numbers are little-e
 
     raw.bin                      f32 values of the saved-format entries, in list order
     quantised.bin                the entries transformed and quantised, padded to 64 bytes
-    optimiser_state/weights.bin  tagged records of every trainable tensor (:mod:`.records`)
+    optimiser_state/weights.bin  tagged records of every trainable tensor (`.records`)
     optimiser_state/momentum.bin tagged records (AdamW, RAdam, Ranger)
     optimiser_state/velocity.bin tagged records
     optimiser_state/slow.bin     tagged records (Ranger's lookahead), when present
@@ -17,22 +17,22 @@ column-major, which as a numpy array is ``(in, out)`` in C order (a Flax
 ``l{k}b`` is 1-D, ``l{k}w`` ``(count/out, out)``, others 1-D unless the old
 record variant or ``shapes=`` tells.
 
-``meta["saved_format"]`` lays out raw.bin and quantised.bin (:mod:`.layout`,
-:mod:`.network`); without it every tensor is an ``f32`` entry in model order.
+``meta["saved_format"]`` lays out raw.bin and quantised.bin (`.layout`,
+`.network`); without it every tensor is an ``f32`` entry in model order.
 A load reads neither file's data: with ``saved_format=`` it checks their sizes
 and quantised.bin's padding, and ``check_quantised=True`` (or ``verify``)
 compares the data into ``meta["quantisation_error"]``.  An empty
 quantised.bin (bullet's when quantisation failed) reads as absent, with a
 warning.  When quantisation fails on save, ``encode`` leaves quantised.bin out
-and puts the :class:`~pytreeio.core.errors.QuantisationError` in
+and puts the `pytreeio.core.errors.QuantisationError` in
 ``Encoded.deferred``: the save writes the rest, then warns (raises if ``strict``).
 
 Native tree ``{'weights': {id: f32 array}, 'momentum': ..., 'velocity': ...}``
 (+ ``'slow'``; optimiser entries when their files exist); ``meta``:
 ``saved_format`` (when given), ``steps`` ``{id: step}``, ``log`` (log.txt's
-text).  Models: :mod:`.models`.
+text).  Models: `.models`.
 
-Training states keyed by bullet's own tensor ids (:mod:`.states`)::
+Training states keyed by bullet's own tensor ids (`.states`)::
 
     {'params': {id: array}, 'opt_state': <optax adam/adamw state>, 'step': n}
 
@@ -40,7 +40,7 @@ Training states keyed by bullet's own tensor ids (:mod:`.states`)::
 is ``l0w``).  On save, ``mu``/``nu`` go to momentum.bin/velocity.bin by id and the
 count to every line of step.txt.  A load with such a ``like`` restores them (count
 from step.txt, or ``step=`` when the checkpoint has none).  Other optimizer states
-raise :class:`~pytreeio.core.errors.ConversionError`.
+raise `pytreeio.core.errors.ConversionError`.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def _check_meta(meta: Any, ids: Mapping[str, Any]) -> tuple[list[layout.Spec], d
 def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, strict: bool = False) -> Encoded:
     """The files of a checkpoint directory for a native tree; ``meta``: ``saved_format``
     (default: every tensor f32, model order), ``steps`` (``{id: step}``), ``log``; ``tree``
-    may be a training state keyed by tensor ids (:mod:`.states`)."""
+    may be a training state keyed by tensor ids (`.states`)."""
     if states.parts(tree) is not None:
         tree, meta = states.to_native(tree, meta)
     native = _check_native(tree)
@@ -260,7 +260,7 @@ def decode(
 
 
 def restore(native: Any, meta: dict[str, Any], like: Any, *, step: int | None = None) -> Any:
-    """``native`` in ``like``'s structure: a training state keyed by tensor ids (:mod:`.states`;
+    """``native`` in ``like``'s structure: a training state keyed by tensor ids (`.states`;
     ``step``: its count where the checkpoint has no step.txt), else the native tree's own."""
     if states.parts(like) is not None:
         return states.restore_state(native, meta, like, step)
@@ -326,7 +326,7 @@ def slots(
     check_quantised: bool = False,
     verify: bool = False,
 ) -> Slots:
-    """:func:`decode`'s native tree with a :class:`Slot` per array, reading record headers only.
+    """`decode`'s native tree with a `Slot` per array, reading record headers only.
 
     step.txt and log.txt (meta) are read whole; raw.bin and quantised.bin only
     to compare them (``check_quantised``, or ``verify`` with ``saved_format``).

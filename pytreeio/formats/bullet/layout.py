@@ -7,7 +7,7 @@ An entry, in file order, is data (bullet keeps no layout on disk)::
 In ``raw.bin`` every entry is its ``count x f32`` values, untransformed; in
 ``quantised.bin`` its values after ``transforms``, as ``type`` (``f32``, or
 ``i8``/``i16``/``i32`` at integer ``scale``, truncated or with ``round``
-half away from zero), then :func:`padding` up to a multiple of 64 bytes.
+half away from zero), then `padding` up to a multiple of 64 bytes.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def _spec(i: int, entry: Any, seen: dict[str, int], known: Any) -> Spec:
 
 
 def specs(saved_format: Any, ids: Iterable[str] | None = None) -> list[Spec]:
-    """``saved_format`` checked (see :func:`validate_saved_format`)."""
+    """``saved_format`` checked (see `validate_saved_format`)."""
     if isinstance(saved_format, str | bytes | Mapping) or not isinstance(saved_format, Sequence):
         found = type(saved_format).__name__
         why = "saved_format must be a list of entries"
@@ -165,7 +165,7 @@ def validate_saved_format(
 ) -> list[dict[str, Any]]:
     """The entries of ``saved_format`` with defaults filled in, each id one of ``ids`` if given.
 
-    Raises :class:`~pytreeio.core.errors.MismatchError` naming the entry (index
+    Raises `pytreeio.core.errors.MismatchError` naming the entry (index
     and id) and the field.
     """
     return [s.to_json() for s in specs(saved_format, ids)]
@@ -243,7 +243,7 @@ def output_bucket_layout(
     types: str | Sequence[str | tuple[str, str]] = "i16",
     round: bool = True,
 ) -> list[dict[str, Any]]:
-    """:func:`classic_layout` with the bucketed layers' weights transposed (default: the last).
+    """`classic_layout` with the bucketed layers' weights transposed (default: the last).
 
     ``N`` buckets of ``out`` outputs are ``N*out`` outputs, which bullet's
     column-major matrix interleaves; ``"transpose"`` writes ``[bucket][out][in]``.
@@ -265,5 +265,5 @@ def model_order(ids: Iterable[str]) -> list[str]:
 
 
 def float_layout(ids: Iterable[str]) -> list[dict[str, Any]]:
-    """Every tensor as an untransformed ``f32`` entry, in :func:`model_order`."""
+    """Every tensor as an untransformed ``f32`` entry, in `model_order`."""
     return [Spec(i).to_json() for i in model_order(ids)]

@@ -127,7 +127,7 @@ def from_model(
 
     An ``sgd`` state holds nothing; parameter-free layers are architecture, which
     the files never hold.  Other layers with arrays, frozen layers, other
-    optimizers and masked slots raise :class:`ConversionError` unless ``lossy``
+    optimizers and masked slots raise `ConversionError` unless ``lossy``
     (dropped with a warning).  ``saved_format`` and ``log``: ``meta``, else
     ``model.extras['bullet']``.
     """

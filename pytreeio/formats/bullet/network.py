@@ -1,10 +1,10 @@
-"""bullet's network files, laid out by the saved format (:mod:`.layout`)::
+"""bullet's network files, laid out by the saved format (`.layout`)::
 
     raw.bin        each entry's values as f32, in list order, untransformed; no header, no padding
     quantised.bin  each entry transformed and quantised on its own, in list order, then padded
                    to a multiple of 64 bytes with b"bullet" repeated (zeros before 2024-03)
 
-Every integer entry is range-checked (:mod:`pytreeio.core.quant`) before a byte is
+Every integer entry is range-checked (`pytreeio.core.quant`) before a byte is
 written, so that a value that does not fit leaves quantised.bin out whole; the values
 are computed as the file is written.
 """
@@ -31,7 +31,7 @@ QUANTISED = "quantised.bin"
 
 def f32(value: Any, key: str) -> Any:
     """A leaf as a C-order little-endian float32 array (float16/bfloat16 widen exactly; nothing
-    else is cast).  A :class:`~pytreeio.core.binary.Streamed` leaf (a conversion's) stays one."""
+    else is cast).  A `pytreeio.core.binary.Streamed` leaf (a conversion's) stays one."""
     if type(value) is np.ndarray and value.dtype == F32 and value.flags.c_contiguous:
         return value
     if not (hasattr(value, "shape") and hasattr(value, "dtype")):

@@ -10,14 +10,14 @@
 stores them (``l{k}w`` is ``(in, out)``).  A leaf's tensor id is its key path
 joined with nothing between the keys: ``{"l0w": w}`` and ``{"l0": {"w": w}}``
 both hold ``l0w``.  Lists, non-string keys and two paths joining to one id
-are refused.  (Flax ``Dense_N`` trees go through :mod:`.models` instead.)
+are refused.  (Flax ``Dense_N`` trees go through `.models` instead.)
 
-``opt_state``: an optax state, read by :func:`pytreeio.model.optim.extract`.
+``opt_state``: an optax state, read by `pytreeio.model.optim.extract`.
 ``adam``/``adamw`` (weight-decay ``mask=`` included): ``mu`` goes to
 ``optimiser_state/momentum.bin`` and ``nu`` to ``velocity.bin`` by id, like the weights in
 ``weights.bin``.  A plain ``sgd`` state holds nothing.  Other optimizers (sgd
 with momentum, adagrad, ...), ``optax.masked`` moments and
-``inject_hyperparams`` hyperparameters raise :class:`ConversionError`, because the files have
+``inject_hyperparams`` hyperparameters raise `ConversionError`, because the files have
 no place for them.
 
 The step count: bullet's AdamW keeps none, because its update has no bias correction.

@@ -1,1 +1,1 @@
-"""DataCode ``.nn`` model files (:mod:`.nn`) and their training records (:mod:`.training`)."""
+"""DataCode ``.nn`` model files (`.nn`) and their training records (`.training`)."""

@@ -41,7 +41,7 @@ must fit).  Writing uses ``variant=`` if given, else the variant recorded in
 Native tree: ``{'layer<p>': {'weight': (in, out), 'bias': (out,)}}`` with
 ``p`` the position among all layers (the seed naming), whatever the variant.
 Meta: the JSON document as parsed (floats stay floats, integers ints) plus
-:data:`FILE_KEY`: ``{"variant": "seed"|"later", "bias_2d": ["layer0", ...]}``
+`FILE_KEY`: ``{"variant": "seed"|"later", "bias_2d": ["layer0", ...]}``
 naming the native layers whose bias the file stores as ``[1, out]``.  The
 writer consumes that key (it is not written into the JSON), so saving a
 loaded native tree with its meta reproduces the file byte for byte.  Without
@@ -149,7 +149,7 @@ def _serde_problem(value: Any) -> str | None:
 
 
 def _parse_json(raw: memoryview, *, path: str | None, field: str, offset: int) -> Any:
-    """The JSON document in ``raw`` (file offset ``offset``): :func:`pytreeio.core.jsonsafe.loads`
+    """The JSON document in ``raw`` (file offset ``offset``): `pytreeio.core.jsonsafe.loads`
     (UTF-8, syntax, no duplicate keys or NaN, nesting at most 128) plus serde_json's limits."""
     value = jsonsafe.loads(raw, path=path, field=field, offset=offset, max_depth=_JSON_DEPTH)
     problem = _serde_problem(value)
@@ -538,7 +538,7 @@ def decode(source: Any, *, variant: str | None = None) -> Decoded:
 
 
 def slots(source: ByteSource, *, variant: str | None = None) -> Slots:
-    """Where each array of :func:`decode`'s native tree lies, from the record headers only.
+    """Where each array of `decode`'s native tree lies, from the record headers only.
 
     Later-variant weights are stored ``(out, in)`` in C order: the same bytes
     as ``(in, out)`` in Fortran order, which is how their slots read them.
@@ -659,7 +659,7 @@ def _host_f32(x: Any, where: str) -> Any:
 
 
 def _record(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The :data:`FILE_KEY` record of ``meta`` (checked), or an empty one."""
+    """The `FILE_KEY` record of ``meta`` (checked), or an empty one."""
     rec = meta.get(FILE_KEY)
     if rec is None:
         return {}
@@ -798,8 +798,8 @@ def encode(
 ) -> Encoded:
     """A ``.nn`` file of a native tree (float32 arrays referenced, not copied).
 
-    ``meta``: the document as :func:`decode` returns it; layer entries may be
-    spelt as :func:`pytreeio.model.form.entry_parts` accepts, missing fields
+    ``meta``: the document as `decode` returns it; layer entries may be
+    spelt as `pytreeio.model.form.entry_parts` accepts, missing fields
     come from the arrays, ``device`` defaults to ``"cpu"`` and ``training`` to
     the untrained one; without ``layers`` the tree is all Linear layers.
     ``variant``: default the one ``meta`` records, else ``"seed"`` (the other
@@ -856,7 +856,7 @@ def _tensor(name: str, arr: Any) -> tuple[bytes, Any]:
 
 
 def to_model(native: Any, meta: Mapping[str, Any]) -> Model:
-    """The common :class:`Model` of a native tree and its document; what the document holds
+    """The common `Model` of a native tree and its document; what the document holds
     beyond the layers goes to ``model.extras['datacode']`` (refused elsewhere unless ``lossy``)."""
     if not isinstance(meta, Mapping):
         raise MismatchError("meta must be the DataCode document", key_path="meta")
@@ -882,7 +882,7 @@ def _extras(doc: Mapping[str, Any], types: list[str], variant: str) -> dict[str,
     """What the document holds beyond the layer list: training record, device, names, other keys.
 
     Only what carries information: an untrained ``training``, the ``cpu``
-    device and DataCode's own layer names are what :func:`from_model` writes
+    device and DataCode's own layer names are what `from_model` writes
     anyway.
     """
     out: dict[str, Any] = {}
@@ -968,10 +968,10 @@ def from_model(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A native tree and document for ``model``; ``meta`` (a DataCode document) supplies
     ``device``, ``training`` and layer names (its entries are kept where they match),
-    and ``model.extras['datacode']`` (what :func:`to_model` kept) what ``meta`` does not.
+    and ``model.extras['datacode']`` (what `to_model` kept) what ``meta`` does not.
 
     Conv, BatchNorm, LeakyReLU, Dropout, MaxPool layers are a
-    :class:`ConversionError` naming them.  An optimizer state or step counter
+    `ConversionError` naming them.  An optimizer state or step counter
     is one too (DataCode keeps hyperparameters only, in ``training.stages``),
     unless ``lossy=True``, which drops it with a warning.
     """

@@ -1,7 +1,7 @@
 """DataCode's training records: ``training.stages`` entries written from a JAX run, and
-a stage read back as a :class:`pytreeio.model.optim.OptState`.
+a stage read back as a `pytreeio.model.optim.OptState`.
 
-The update rules themselves are in :mod:`pytreeio.model.rules.datacode`.
+The update rules themselves are in `pytreeio.model.rules.datacode`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ __all__ = ["optim_state", "stage_record", "with_stage"]
 
 
 def optim_state(stage_or_meta: Mapping[str, Any], *, stage: int = -1) -> Any:
-    """The stage as a :class:`pytreeio.model.optim.OptState` (no slots: DataCode keeps no moments).
+    """The stage as a `pytreeio.model.optim.OptState` (no slots: DataCode keeps no moments).
 
     Kind and optax hyperparameter names of the nearest stock optimizer
     (``pytreeio.model.optim.build(s.kind, s.hyperparams)``), equal to DataCode's rule
@@ -99,7 +99,7 @@ def _state_names(node: Any) -> set[str]:
 
 
 def _datacode_type(hp: Mapping[str, Any], inner: Any) -> str:
-    """The DataCode type of a state built by :func:`datacode_optimizer` (its parameter names)."""
+    """The DataCode type of a state built by `datacode_optimizer` (its parameter names)."""
     keys = set(hp)
     for otype, spec in OPTIMIZERS.items():
         if keys == set(spec) and otype not in ("Momentum", "NAG"):
@@ -136,7 +136,7 @@ _FROM_OPTAX: dict[str, tuple[str, dict[str, str]]] = {
 
 
 def _from_stock(opt_state: Any, params: Any) -> tuple[str, dict[str, Any]]:
-    """Type and parameters of a stock optax optimizer's state (via :func:`pytreeio.model.optim.extract`)."""
+    """Type and parameters of a stock optax optimizer's state (via `pytreeio.model.optim.extract`)."""
     state = optim.extract(opt_state, params)
     if state.kind not in _FROM_OPTAX:
         raise MismatchError(
@@ -217,13 +217,13 @@ def stage_record(
 
     Args:
       opt_state: the state of an optimizer built with ``optax.inject_hyperparams``:
-        one from :func:`datacode_optimizer` (type and parameters read from it;
+        one from `datacode_optimizer` (type and parameters read from it;
         Momentum and NAG told apart by their state), or a stock optax one
         (``sgd``, ``sgd(momentum=)`` -> NAG, ``adagrad``, ``rmsprop``,
-        ``adam``, ``adamw``; read with :func:`pytreeio.model.optim.extract`).
-      params: the model's Flax params tree (or a :class:`pytreeio.model.form.Model`):
+        ``adam``, ``adamw``; read with `pytreeio.model.optim.extract`).
+      params: the model's Flax params tree (or a `pytreeio.model.form.Model`):
         trainable/frozen parameter counts and frozen layer names come from it.
-      epochs, loss: the stage's epoch count and loss name (one of :data:`LOSSES`).
+      epochs, loss: the stage's epoch count and loss name (one of `LOSSES`).
       layers: the layer list of a Flax tree (activations, ``trainable`` flags).
       *_history: per-epoch values, stored as f32 (the validation ones and
         ``lr_history`` may be None).
@@ -266,7 +266,7 @@ def stage_record(
 
 
 def with_stage(meta: Mapping[str, Any], stage: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of a DataCode document with ``stage`` appended (the last :data:`MAX_STAGES` kept)
+    """A copy of a DataCode document with ``stage`` appended (the last `MAX_STAGES` kept)
     and the legacy ``training`` fields set from it, as DataCode's ``train`` leaves them."""
     check_loss(stage.get("loss"), "stage.loss")
     doc = dict(meta)

@@ -1,5 +1,5 @@
-"""netcl: the ``.netcl`` model file and legacy pair (:mod:`.model_file`), the training checkpoint
-and raw parameters (:mod:`.checkpoint`), and the naming they share (:mod:`.naming`)."""
+"""netcl: the ``.netcl`` model file and legacy pair (`.model_file`), the training checkpoint
+and raw parameters (`.checkpoint`), and the naming they share (`.naming`)."""
 
 from pytreeio.formats.netcl.errors import NetclMissingParamError, NetclShapeMismatchError
 

@@ -17,12 +17,12 @@
 
 ``netcl-params`` - ``save_params``: the bare ``.npz`` at ``<p>`` (or
 ``<p>.npz``).  Restoring into a list reports a missing name as
-:class:`NetclMissingParamError` (also a ``KeyError``) and a wrong shape as
-:class:`NetclShapeMismatchError` (a ``ValueError``), with netcl's wording.
+`NetclMissingParamError` (also a ``KeyError``) and a wrong shape as
+`NetclShapeMismatchError` (a ``ValueError``), with netcl's wording.
 
 Both store parameters only: a Flax tree maps onto ``p0, p1, ...`` through the
 common model form, whose layers are read off the shapes (or given with
-``layers=``); netcl's array orientation is :mod:`pytreeio.formats.netcl.naming`.
+``layers=``); netcl's array orientation is `pytreeio.formats.netcl.naming`.
 """
 
 from __future__ import annotations
@@ -368,7 +368,7 @@ def _opt_problems(opt: Any) -> list[str]:
 def _netcl_state_of(opt: Any, *, common: bool = True) -> dict[str, Any]:
     """netcl's optimizer dict for a format-neutral state; slots in common orientation if ``common``.
 
-    A state netcl cannot hold (:func:`_opt_problems`) is a :class:`ConversionError`.
+    A state netcl cannot hold (`_opt_problems`) is a `ConversionError`.
     """
     if opt is None:
         return {}
@@ -435,7 +435,7 @@ def _sidecar(raw: Any, name: str) -> dict[str, Any]:
 
 
 def _sidecar_state(doc: Mapping[str, Any], params: list[Any]) -> dict[str, Any]:
-    """:func:`_decode_optim_state` of the sidecar's ``optim_state``; its errors name the sidecar
+    """`_decode_optim_state` of the sidecar's ``optim_state``; its errors name the sidecar
     (the I/O layer puts the role's file in their place)."""
     try:
         return _decode_optim_state(doc.get("optim_state", {}), params)

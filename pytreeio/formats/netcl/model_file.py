@@ -1,7 +1,7 @@
 """netcl (``pip install netcl==0.4.4``) model files, as ``netcl.io.save_model`` writes them.
 
 Byte layout: an uncompressed ``.npz`` byte-identical to ``np.savez`` (see
-:mod:`pytreeio.containers.npy` and :mod:`pytreeio.containers.zip`), members in this order::
+`pytreeio.containers.npy` and `pytreeio.containers.zip`), members in this order::
 
     "<i>:<key>.npy"        each array of layer i's state dict, in layer order and
                            state-dict order (Linear/Conv2d: weight, bias;
@@ -12,8 +12,8 @@ Byte layout: an uncompressed ``.npz`` byte-identical to ``np.savez`` (see
                            "version": 2, "format": "netcl.single-file"}
 
 Config entries are ``{"type": T, "args": {...}}`` with the args of
-:data:`pytreeio.model.form.LAYERS` (netcl knows every type there but Softmax);
-array names and orientation are netcl's (:mod:`pytreeio.formats.netcl.naming`).
+`pytreeio.model.form.LAYERS` (netcl knows every type there but Softmax);
+array names and orientation are netcl's (`pytreeio.formats.netcl.naming`).
 
 Loading follows netcl's lookup order among the files that exist: ``<path>``;
 else the legacy pair ``<path>.json`` (meta, ``"version": 1``, ``"config"`` or
@@ -23,7 +23,7 @@ else ``<path>.netcl``.  Saving always writes the single file at ``<path>``.
 Native tree: a list with one dict of netcl-named arrays per layer
 (``[{'weight', 'bias'}, {}, ...]``); meta: the meta document.  A Flax tree
 saves and loads through the common model form (``to_model``/``from_model``).
-Training checkpoints and raw parameters are in :mod:`pytreeio.formats.netcl.checkpoint`.
+Training checkpoints and raw parameters are in `pytreeio.formats.netcl.checkpoint`.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def _checked_layers(
     """Each layer's members checked against its config entry, trimmed to the layer's names.
 
     ``shaped`` gives the array (or a stand-in of its shape and dtype) a member's value
-    stands for: :func:`slots` checks slots exactly as :func:`decode` checks arrays.
+    stands for: `slots` checks slots exactly as `decode` checks arrays.
     """
 
     for i, (entry, arrs) in enumerate(zip(entries, layers)):
@@ -315,7 +315,7 @@ def from_model(
     """netcl's per-layer arrays and meta document for a model.
 
     A model file holds no optimizer state or step counter (that is
-    netcl-checkpoint's) and no ``trainable`` flag: :class:`ConversionError`
+    netcl-checkpoint's) and no ``trainable`` flag: `ConversionError`
     unless ``lossy``, which drops them with a warning.  Layer types netcl
     lacks are always refused.
     """
@@ -352,7 +352,7 @@ def from_model(
 def encode(tree: Any, *, meta: Any = None, checked: bool = False) -> Encoded:
     """The model file for a native layer list; ``meta`` gives the layer config (partial entries allowed).
 
-    ``checked``: ``tree`` and ``meta`` are what :func:`from_model` made (the
+    ``checked``: ``tree`` and ``meta`` are what `from_model` made (the
     API says so on a save through the common form): they were checked when
     made, and are written as they are.
     """

@@ -1,7 +1,7 @@
 """netcl's naming convention, shared by its model-file and checkpoint formats.
 
 netcl names a layer's arrays as its state dict does and stores them in
-PyTorch-like orientation; the common model form (:mod:`pytreeio.model.form`) uses
+PyTorch-like orientation; the common model form (`pytreeio.model.form`) uses
 Flax names and orientation:
 
 =========== ============================== ==================================
@@ -52,7 +52,7 @@ def to_common(arr: Any) -> Any:
     """A netcl array in the common orientation: 4-D OIHW conv weights become HWIO (a view).
 
     A numpy view of a numpy array, a view made when read of a
-    :class:`~pytreeio.core.binary.Streamed` one.
+    `pytreeio.core.binary.Streamed` one.
     """
     if getattr(arr, "ndim", 0) == 4:
         if isinstance(arr, Streamed):
@@ -64,7 +64,7 @@ def to_common(arr: Any) -> Any:
 def to_netcl(arr: Any) -> Any:
     """A common-form array in netcl orientation, C-contiguous.
 
-    A 4-D kernel that came from :func:`to_common` is a view whose transpose
+    A 4-D kernel that came from `to_common` is a view whose transpose
     back is contiguous again (no copy); any other moves through the
     jit-compiled transpose.
     """
@@ -81,7 +81,7 @@ def to_netcl(arr: Any) -> Any:
     return transpose(arr, _HWIO_TO_OIHW)
 
 
-#: netcl array name -> common-form name, per layer type (the inverse of :data:`NAMES`).
+#: netcl array name -> common-form name, per layer type (the inverse of `NAMES`).
 _COMMON_NAMES = {t: {v: k for k, v in names.items()} for t, names in NAMES.items()}
 
 
@@ -97,9 +97,9 @@ def layer_to_common(ltype: str, arrays: Mapping[str, Any], where: str) -> dict[s
 
 
 def host(x: Any, where: str) -> Any:
-    """``x`` as a numpy array ready to write, or :class:`EncodeError` naming ``where``.
+    """``x`` as a numpy array ready to write, or `EncodeError` naming ``where``.
 
-    A :class:`~pytreeio.core.binary.Streamed` array stays one: it is read when written.
+    A `pytreeio.core.binary.Streamed` array stays one: it is read when written.
     """
     if isinstance(x, Streamed):
         return x
@@ -112,7 +112,7 @@ def host(x: Any, where: str) -> Any:
 
 
 def check_types(model: Model) -> None:
-    """Raise :class:`ConversionError` for layers netcl has no type for."""
+    """Raise `ConversionError` for layers netcl has no type for."""
     bad = [
         f"layer {i} ({la.type})" for i, la in enumerate(model.layers) if la.type not in NETCL_TYPES
     ]
@@ -123,7 +123,7 @@ def check_types(model: Model) -> None:
 def read_npz(source: Any, name: str, verify_crc: bool) -> dict[str, np.ndarray]:
     """The arrays of the ``.npz`` of role ``name`` in ``source`` (a mapping of files or buffers).
 
-    Files of an ``io.FileSet`` are read by :func:`pytreeio.containers.npy.read_npz` itself,
+    Files of an ``io.FileSet`` are read by `pytreeio.containers.npy.read_npz` itself,
     which takes the CRC-32s as it reads (one pass instead of a read and a hash).
     """
     ranges = getattr(source, "ranges", None)

@@ -6,7 +6,7 @@ no trailing newline, only ``\\n \\r \\t \\" \\\\`` escaped):
 ``pytreeio-waffe2.json`` is compact JSON: ``{"format": "pytreeio/waffe2",
 "version": 1, "parameters_sha256": <hex>, "shapes": {key: [dims]}}`` with
 ``"layers"``, ``"step"`` and ``"count"`` when there are any.  Reading checks
-every entry; each failure is a :class:`FormatError` naming the file and key.
+every entry; each failure is a `FormatError` naming the file and key.
 """
 
 from __future__ import annotations
@@ -335,7 +335,7 @@ def tensor_file(path_string: str, key: str, names: Any) -> str:
 
     ``names`` are the directory's files.  The directory part of
     ``path_string`` is never used; a basename that is not a top-level file of
-    the checkpoint is a :class:`FormatError`.
+    the checkpoint is a `FormatError`.
     """
     name = path_string.rsplit("/", 1)[-1]
     if name in ("", ".", "..") or "\0" in name:

@@ -7,22 +7,22 @@ that the format writes what cl-waffe2 writes, byte for byte:
   part printed with ``~(~a~)`` (lower case).  ``param``/``missing_param``
   take 3 parts (composite, nth, slot), ``optimizer``/``missing_optimizer`` 6
   (composite, nth, slot, optimizer, type, optimizer slot).
-  :func:`parse_state_dict_key` splits as ``parse-state-dict-key`` does:
+  `parse_state_dict_key` splits as ``parse-state-dict-key`` does:
   ``cl-ppcre:split`` on ``:`` must give a known prefix and one rest, split on
   ``.``; ``cl-ppcre:split`` drops trailing empty strings (``param:a.0.b:``
   parses as ``param:a.0.b``).
 * **NTH** (``make-state-dict-table``): one counter per (composite, slot), from
-  0, in parameter order - not the layer index (:func:`assign_nth`).
-* **Type specifiers**: ``(type-of value)`` lower-cased (:func:`type_of`):
+  0, in parameter order - not the layer index (`assign_nth`).
+* **Type specifiers**: ``(type-of value)`` lower-cased (`type_of`):
   ``single-float``, ``double-float``; integers ``bit`` (0, 1),
   ``(integer 0 4611686018427387903)`` (2 .. most-positive-fixnum), ``fixnum``
   (negative fixnums), ``(integer 4611686018427387904)`` and
   ``(integer * -4611686018427387905)`` (bignums); a tensor's class name.
 * **Numbers**: floats as ``(format nil "~f" x)``: fixed notation, the
   shortest digits that read back as the same float of its Lisp type
-  (:func:`format_lisp_float`); integers plainly.
+  (`format_lisp_float`); integers plainly.
 * **JSON strings** as ``jonathan`` writes them: only newline, return, tab,
-  ``"`` and ``\\`` escaped (:func:`jonathan_string`).
+  ``"`` and ``\\`` escaped (`jonathan_string`).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _ppcre_split(text: str, sep: str) -> list[str]:
 def parse_state_dict_key(key: str) -> StateDictKey:
     """Split a state-dict key as cl-waffe2's ``parse-state-dict-key`` does.
 
-    Raises :class:`FormatError` (``field`` = the key) for a key without exactly
+    Raises `FormatError` (``field`` = the key) for a key without exactly
     one ``:``, an unknown prefix, or the wrong number of parts (cl-waffe2
     binds missing parts to NIL and ignores extra ones).
     """

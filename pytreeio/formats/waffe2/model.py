@@ -1,6 +1,6 @@
-"""cl-waffe2 state dicts <-> the common model form (:mod:`pytreeio.model.form`).
+"""cl-waffe2 state dicts <-> the common model form (`pytreeio.model.form`).
 
-Parameters are ``param:{composite}.{nth}.{slot}`` (:class:`LayerNaming` per
+Parameters are ``param:{composite}.{nth}.{slot}`` (`LayerNaming` per
 layer type, option ``naming``), stored in cl-waffe2's orientation (LinearLayer
 weights (out, in), Conv2D (out, in/groups, kh, kw)).  cl-waffe2 stores no
 shapes: they come from the ``layers`` option (entries with their sizes),
@@ -59,7 +59,7 @@ _OPTAX_ADAM_DEFAULTS = {"b1": 0.9, "b2": 0.999, "eps": 1e-8}
 
 @dataclass(frozen=True)
 class LayerNaming:
-    """How one layer type of :data:`pytreeio.model.form.LAYERS` is named in a cl-waffe2 state dict.
+    """How one layer type of `pytreeio.model.form.LAYERS` is named in a cl-waffe2 state dict.
 
     Attributes:
       composite: the composite (layer class) name, lower case (``linearlayer``).

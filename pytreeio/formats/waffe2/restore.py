@@ -1,7 +1,7 @@
 """A cl-waffe2 native tree restored into a native-shaped ``like``; the missing/extra report.
 
 Arrays (stored 1-D) take ``like``'s shape when their element count and dtype
-match.  ``strict=True`` raises :class:`MismatchError` for keys missing from the
+match.  ``strict=True`` raises `MismatchError` for keys missing from the
 file or left over; ``strict=False`` (cl-waffe2's behaviour) keeps ``like``'s
 value for a missing entry, warns and fills ``report``.  A partial load leaves
 out the file's entries ``like`` does not name.

@@ -13,9 +13,9 @@ On disk, as ``(save-weights model "<p>" :wf2model [:optimizers t])`` writes it::
                              for (shapes, layer list, step, SGD count); ignored,
                              with a warning, once parameters.json changed
 
-Documents: :mod:`.document`; keys, NTH, numbers: :mod:`.keys`; the common
+Documents: `.document`; keys, NTH, numbers: `.keys`; the common
 model form and its options (``layers``, ``naming``, ``optimizers``,
-``hyperparams``): :mod:`.model`; ``strict``/``report``: :mod:`.restore`.
+``hyperparams``): `.model`; ``strict``/``report``: `.restore`.
 
 **Native tree**: the keys unflattened by their parts, without ``{type}``::
 
@@ -32,7 +32,7 @@ order and a ``double-float`` spelling).  **Save options** beyond the model's:
 
 **Loading** is safer than cl-waffe2's loader, which opens every path as given:
 a tensor is read from ``<dir>/<basename of its path>`` only, and a basename
-that is not a file directly in the checkpoint is a :class:`FormatError`;
+that is not a file directly in the checkpoint is a `FormatError`;
 ``fortran_order`` arrays are refused, as cl-waffe2 refuses them.
 """
 
@@ -264,7 +264,7 @@ def inspect(source: Mapping[str, ByteSource]) -> Info:
 
 
 def slots(source: Mapping[str, ByteSource]) -> Slots:
-    """:func:`decode`'s native tree with a :class:`Slot` per tensor entry (its data after the
+    """`decode`'s native tree with a `Slot` per tensor entry (its data after the
     .npy header); entries naming one file share its slot."""
     doc, meta, tensors = _scan(source, close=False)
     native: dict[str, Any] = {}

@@ -13,8 +13,8 @@ rounding a correctly rounded result of ``/`` or ``sqrt`` again to a format of
 p bits is innocuous when the wider one has at least 2p+2 bits (53 >= 2*24+2).
 Elsewhere (CPU, where the native operation is already exact; TPU, which has
 no float64) the native operation runs, so CPU code keeps its float32
-arithmetic (a division by a broadcast scalar excepted, see :func:`div`).
-:func:`jax.lax.platform_dependent` picks the branch when the computation is
+arithmetic (a division by a broadcast scalar excepted, see `div`).
+`jax.lax.platform_dependent` picks the branch when the computation is
 lowered, so one traced function is exact on whichever device runs it.
 
 The conversions are wrapped in a no-op ``nextafter(y, y)`` on both sides.

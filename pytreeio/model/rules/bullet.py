@@ -12,10 +12,10 @@ float32, with no bias correction and no step counter::
 (bullet divides the gradient by the batch size before this; pass gradients
 scaled the same way.)  Its optimiser state is exactly ``momentum.bin`` (``m``)
 and ``velocity.bin`` (``v``), so a bullet run resumes in JAX under
-:func:`bullet_adamw` as bullet would continue it.
+`bullet_adamw` as bullet would continue it.
 
 The state is ``(ScaleByAdamState(count, mu, nu), EmptyState(), EmptyState())``:
-the very structure of ``optax.adamw``'s state.  So :mod:`pytreeio.model.optim` reads
+the very structure of ``optax.adamw``'s state.  So `pytreeio.model.optim` reads
 it as an ``adamw`` state (``mu`` = momentum, ``nu`` = velocity, ``count`` =
 the steps taken, kept for ``step.txt`` and never used by the update), and a
 checkpoint restores into either optimizer.
@@ -23,12 +23,12 @@ checkpoint restores into either optimizer.
 Compilers contract ``a*b + c`` into a fused multiply-add (XLA's CPU
 backend does), which rounds once instead of twice and so is not bullet's float32
 rule.  Every product that feeds an addition therefore passes through
-:func:`_rounded`, an integer no-op on its bits that XLA cannot see through
+`_rounded`, an integer no-op on its bits that XLA cannot see through
 (it is OR-ed with a zero known only at run time), so each operation rounds
 exactly as written; the tests check the moments bit for bit against numpy.
 (XLA's GPU backend did not contract at all when measured, jax 0.11 on an
 H100; the barrier keeps the rule exact should it start to.)  The division
-and square root go through :mod:`pytreeio.model.rules._ieee`, correctly rounded on
+and square root go through `pytreeio.model.rules._ieee`, correctly rounded on
 GPU too, where XLA's own float32 ``/`` and ``sqrt`` are approximations.
 
 optax applies updates additively (``p + u``).  The update returned is

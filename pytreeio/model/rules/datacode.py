@@ -2,25 +2,25 @@
 
 A DataCode file keeps no optimizer moments, only each training stage's
 ``optimizer_type`` and ``optimizer_params`` (``training.stages[*]``).
-:func:`datacode_optimizer` builds, from a stage (or a whole document: its last
+`datacode_optimizer` builds, from a stage (or a whole document: its last
 stage), an optax optimizer that updates exactly as DataCode does (f32
 throughout; seed-document era):
 
 ========= ================================================ ==========================================
 type      DataCode's step (defaults)                       rule (and the stock optax it equals)
 ========= ================================================ ==========================================
-SGD       ``p - g*lr``                                     :func:`sgd`: ``optax.sgd(lr)``
-Momentum  ``v = b*v + (1-b)*g; p - v*lr`` (b 0.9)          :func:`momentum`: ``chain(ema(b,
+SGD       ``p - g*lr``                                     `sgd`: ``optax.sgd(lr)``
+Momentum  ``v = b*v + (1-b)*g; p - v*lr`` (b 0.9)          `momentum`: ``chain(ema(b,
                                                            debias=False), scale(-lr))``
-NAG       ``v = b*v + lr*g; p - v`` (b 0.9)                :func:`nag`: ``chain(scale(lr), trace(b),
+NAG       ``v = b*v + lr*g; p - v`` (b 0.9)                `nag`: ``chain(scale(lr), trace(b),
                                                            scale(-1))``
-Adagrad   ``G = G + g*g`` from 0;                          :func:`adagrad` (optax starts G at 0.1
+Adagrad   ``G = G + g*g`` from 0;                          `adagrad` (optax starts G at 0.1
           ``p - (lr/sqrt(G+eps))*g`` (eps 1e-8)            and uses rsqrt)
-RMSprop   ``E = gam*E + (1-gam)*g*g`` from 0;              :func:`rmsprop` (no optax equivalent)
+RMSprop   ``E = gam*E + (1-gam)*g*g`` from 0;              `rmsprop` (no optax equivalent)
           ``p - (lr/sqrt(E+eps))*g`` (gam 0.9, eps 1e-8)
-Adam      t from 1, ``m^ = m/(1-b1^t)``, ``v^ = v/(1-b2^t)``; :func:`adam` (``optax.adam`` groups
+Adam      t from 1, ``m^ = m/(1-b1^t)``, ``v^ = v/(1-b2^t)``; `adam` (``optax.adam`` groups
           ``p - (lr*m^)/(sqrt(v^)+eps)`` (0.9, 0.999, 1e-8) ``lr*(m^/(...))``)
-AdamW     ``p - lr*(m^/(sqrt(v^)+eps) + wd*p)`` (wd 0.01)  :func:`adamw`: ``optax.adamw(lr, b1, b2,
+AdamW     ``p - lr*(m^/(sqrt(v^)+eps) + wd*p)`` (wd 0.01)  `adamw`: ``optax.adamw(lr, b1, b2,
                                                            eps, weight_decay=wd)``
 ========= ================================================ ==========================================
 
@@ -34,7 +34,7 @@ operation as DataCode does, op by op and under ``jax.jit`` alike.
 Every optimizer is wrapped in ``optax.inject_hyperparams`` with DataCode's
 own parameter names (``lr``, ``beta``, ``gamma``, ``epsilon``, ``beta1``,
 ``beta2``, ``weight_decay``), so the state carries them and
-:func:`pytreeio.formats.datacode.training.stage_record` reads them back.  They are float32 arrays: ``1 - beta``
+`pytreeio.formats.datacode.training.stage_record` reads them back.  They are float32 arrays: ``1 - beta``
 is then computed in f32 as DataCode does (a Python float would make it an
 f64 difference rounded once more).
 
@@ -47,8 +47,8 @@ its Adam step is grouped ``(m^/(sqrt(v^)+eps)) * -lr``.  The squared norm
 is summed by XLA (pairwise) where DataCode sums sequentially, so for a
 tensor being clipped the factor can differ in its last bits.
 
-:mod:`pytreeio.formats.datacode.training` maps a stage to
-:mod:`pytreeio.model.optim`'s vocabulary and writes stages into a document after
+`pytreeio.formats.datacode.training` maps a stage to
+`pytreeio.model.optim`'s vocabulary and writes stages into a document after
 training in JAX.
 
 jax and optax are imported when an optimizer is built, never at import.
@@ -117,7 +117,7 @@ _VARIANTS = ("seed", "later")
 
 
 def check_loss(name: Any, where: str = "loss") -> str:
-    """``name`` if it is one of :data:`LOSSES`; else a :class:`MismatchError` naming it."""
+    """``name`` if it is one of `LOSSES`; else a `MismatchError` naming it."""
     if not isinstance(name, str) or name not in LOSSES:
         raise MismatchError(
             f"unknown DataCode loss {name!r}", key_path=where, expected=list(LOSSES), found=name
@@ -340,7 +340,7 @@ def nag(lr: Any, beta: Any) -> Any:
     """``v = beta*v + lr*g; p - v``: heavy ball with the learning rate inside the velocity.
 
     Bit for bit ``chain(optax.scale(lr), optax.trace(beta), optax.scale(-1))``
-    when run op by op (rounded per operation here for jit, as :func:`momentum`).
+    when run op by op (rounded per operation here for jit, as `momentum`).
     """
     return _velocity(
         NAGState, lr, lambda x, g, v: x.add(x.mul(beta, v), x.mul(lr, g)), lambda x, v: x.neg(v)
@@ -549,7 +549,7 @@ def datacode_optimizer(
 
     Returns ``optax.inject_hyperparams(rule)(**params)`` with DataCode's
     parameter names as float32 arrays.  The stage's loss name is checked too.
-    Raises :class:`MismatchError` naming an unknown optimizer type, loss,
+    Raises `MismatchError` naming an unknown optimizer type, loss,
     parameter, or a missing ``lr``.
     """
     import optax

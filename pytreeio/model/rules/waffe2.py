@@ -13,13 +13,13 @@ and adds ``eps`` to the *uncorrected* ``sqrt(v)``.  One step, in single-float::
 The state is optax's ``ScaleByAdamState(count, mu, nu)`` (``count`` = n,
 ``mu`` = m, ``nu`` = v) under ``optax.inject_hyperparams`` with optax's
 hyperparameter names (``learning_rate``, ``b1``, ``b2``, ``eps``), so
-:mod:`pytreeio.model.optim` maps it to and from an ``adam`` ``OptState`` like any
+`pytreeio.model.optim` maps it to and from an ``adam`` ``OptState`` like any
 optax Adam, hyperparameters included, and the ``waffe2`` format reads and
 writes it as cl-waffe2's ``lr``, ``eps``, ``beta1``, ``beta2``, ``n``, ``m``, ``v``.
 
 ``beta^n`` is computed in double precision and rounded to single, as SBCL
 does, and every division and square root is correctly rounded on CPU and GPU
-alike (:mod:`pytreeio.model.rules._ieee`), so the step is cl-waffe2's bit for bit.
+alike (`pytreeio.model.rules._ieee`), so the step is cl-waffe2's bit for bit.
 jax and optax are imported when a transformation is built.
 """
 
