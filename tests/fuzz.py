@@ -632,7 +632,7 @@ def mutate_json(raw: bytes, rng: random.Random, depth: int = 0) -> tuple[bytes, 
         return _mutate_bytes(raw, rng)
     nodes = list(_nodes(doc))
     path, node = rng.choice(nodes)
-    # JSON held in a string (safetensors' pytreeio.core.tree): mutate inside it
+    # JSON held in a string (safetensors' pytreeio.tree): mutate inside it
     if isinstance(node, str) and node[:1] in ("{", "[") and depth < 2 and rng.random() < 0.6:
         inner, how = mutate_json(node.encode("utf-8", "surrogatepass"), rng, depth + 1)
         text = json.dumps(inner.decode("utf-8", "replace"))

@@ -112,8 +112,8 @@ def safetensors_bytes(header: dict[str, Any], data: bytes = b"") -> bytes:
 
 
 def pytreeio_safetensors(tree_doc: str, meta: str | None = None, **tensors: Any) -> bytes:
-    """A safetensors file carrying a hand-written ``pytreeio.core.tree`` document."""
-    md = {"format": "pytreeio", "pytreeio.version": "1", "pytreeio.core.tree": tree_doc}
+    """A safetensors file carrying a hand-written ``pytreeio.tree`` document."""
+    md = {"format": "pytreeio", "pytreeio.version": "1", "pytreeio.tree": tree_doc}
     if meta is not None:
         md["pytreeio.meta"] = meta
     header: dict[str, Any] = {"__metadata__": md}
@@ -267,7 +267,7 @@ def test_namedtuple_names_must_be_identifiers_and_not_keywords(
 ) -> None:
     doc = json.dumps({"namedtuple": name, "fields": fields, "items": [None] * len(fields)})
     err = format_error(lambda: fmt_st.decode(pytreeio_safetensors(doc)))
-    assert err.field == "pytreeio.core.tree"
+    assert err.field == "pytreeio.tree"
 
 
 def test_namedtuple_classes_are_bounded() -> None:

@@ -148,7 +148,7 @@ def test_safetensors_key_is_a_u32_tensor_with_its_implementation_recorded() -> N
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + n])
     assert header["k"]["dtype"] == "U32" and header["k"]["shape"] == [4, 2]
-    structure = json.loads(header["__metadata__"]["pytreeio.core.tree"])
+    structure = json.loads(header["__metadata__"]["pytreeio.tree"])
     assert structure == {"dict": [["k", {"leaf": "k", "key": "threefry2x32"}]]}
     # other readers see the key data
     from safetensors.numpy import load
@@ -217,7 +217,7 @@ def test_malformed_safetensors_keys_are_format_errors(
     meta = {
         "format": "pytreeio",
         "pytreeio.version": "1",
-        "pytreeio.core.tree": json.dumps({"dict": [["k", node]]}),
+        "pytreeio.tree": json.dumps({"dict": [["k", node]]}),
     }
     data = save({"k": tensor}, metadata=meta)
     with pytest.raises(FormatError):

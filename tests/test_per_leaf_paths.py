@@ -29,7 +29,7 @@ def _blob(header: str, data: bytes) -> bytes:
 
 
 def _pytreeio_blob(entries: str, tree: str, data: bytes, meta: str | None = None) -> bytes:
-    md: dict[str, str] = {"format": "pytreeio", "pytreeio.version": "1", "pytreeio.core.tree": tree}
+    md: dict[str, str] = {"format": "pytreeio", "pytreeio.version": "1", "pytreeio.tree": tree}
     if meta is not None:
         md["pytreeio.meta"] = meta
     return _blob("{" + f'"__metadata__":{json.dumps(md)},' + entries + "}", data)
@@ -94,7 +94,7 @@ def test_repeated_key_in_the_structure_document_is_refused_around_colon_keys() -
         fmt_st.decode(blob)
     # A leaf object with a repeated "kind": the first would be silently dropped.
     tree = '{"leaf":"w","kind":"float","kind":"float"}'
-    md = {"format": "pytreeio", "pytreeio.version": "1", "pytreeio.core.tree": tree}
+    md = {"format": "pytreeio", "pytreeio.version": "1", "pytreeio.tree": tree}
     entry = '"w":{"dtype":"F64","shape":[],"data_offsets":[0,8]}'
     blob = _blob("{" + f'"__metadata__":{json.dumps(md)},' + entry + "}", b"\0" * 8)
     with pytest.raises(ptio.FormatError, match="duplicate"):
@@ -227,4 +227,4 @@ def test_a_structure_document_nested_past_the_interpreters_limit_is_a_format_err
     blob = _pytreeio_blob(_entry("w", 0), tree, b"\0" * 4)
     with pytest.raises(ptio.FormatError) as err:
         ptio.decode(blob, format="safetensors")
-    assert err.value.field == "pytreeio.core.tree" and err.value.offset is not None
+    assert err.value.field == "pytreeio.tree" and err.value.offset is not None

@@ -184,11 +184,11 @@ def _blob(header: dict[str, Any], data: bytes = b"") -> bytes:
                     "__metadata__": {
                         "format": "pytreeio",
                         "pytreeio.version": "1",
-                        "pytreeio.core.tree": '{"leaf": "zz"}',
+                        "pytreeio.tree": '{"leaf": "zz"}',
                     }
                 }
             ),
-            "pytreeio.core.tree",
+            "pytreeio.tree",
         ),
         (struct.pack("<Q", 4) + b"[1] ", "header"),
         (struct.pack("<Q", 8) + b'{"a":1,"a":2}'[:8], "header"),
@@ -257,7 +257,7 @@ def test_json_documents_are_parsed_with_bounds() -> None:
     md = {
         "format": "pytreeio",
         "pytreeio.version": "1",
-        "pytreeio.core.tree": '{"list": [null, null]}',
+        "pytreeio.tree": '{"list": [null, null]}',
     }
     blob = _blob({"__metadata__": {**md, "pytreeio.meta": '{"a": [1, {"b": null}]}'}})
     tree, meta = fmt_st.decode(blob)
@@ -292,7 +292,7 @@ def test_repeated_json_keys_are_refused(header: str, tree: str) -> None:
     from pytreeio.core.binary import BufferSource
 
     def blob_of(header: str, tree: str) -> bytes:
-        md = json.dumps({"format": "pytreeio", "pytreeio.version": "1", "pytreeio.core.tree": tree})
+        md = json.dumps({"format": "pytreeio", "pytreeio.version": "1", "pytreeio.tree": tree})
         return _raw_blob("{" + f'"__metadata__":{md},' + header + "}", b"\0" * 4)
 
     blob = blob_of(header, tree)

@@ -63,7 +63,7 @@ import dataclasses
 import functools
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pytreeio.core import records
@@ -84,10 +84,15 @@ __all__ = [
 ]
 
 
-def _possible_load_options(container: Format) -> frozenset[str]:
-    """Load options a checkpoint of ``container`` may take, before it is decoded."""
+def _possible_load_options(container: Format, wanted: Iterable[str]) -> frozenset[str]:
+    """Load options a checkpoint of ``container`` may take, before it is decoded.
+
+    A generic container may carry any model format's tree, so their load options count too:
+    looked up only when ``wanted`` holds one that is not the container's own (listing every
+    format reads the installed plug-ins' entry points, tens of milliseconds).
+    """
     names = container.load_options
-    if not container.is_model_format:  # it may carry any model format's tree
+    if not container.is_model_format and not set(wanted) <= names:
         for fmt in registry.formats().values():
             if fmt.is_model_format:
                 names |= fmt.load_options
@@ -106,7 +111,7 @@ def split_options(
     option it takes both ways (DataCode's ``variant``) goes to the target.
     """
     load_names = (
-        _possible_load_options(container)
+        _possible_load_options(container, set(options) - target.save_options)
         if source is None
         else container.load_options | source.load_options
     )
@@ -391,7 +396,7 @@ def decode_model(data: Any, format: str | Format, *, layers: Any = None, **optio
     container = registry.get(format)
     if layers is not None:
         options = {**options, "layers": layers}
-    load_names = _possible_load_options(container) | {"layers"}
+    load_names = _possible_load_options(container, set(options) - {"layers"}) | {"layers"}
     unknown = sorted(set(options) - load_names)
     if unknown:
         raise TypeError(f"format {container.name!r} takes no load option(s) {', '.join(unknown)}")

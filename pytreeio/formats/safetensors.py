@@ -13,7 +13,7 @@ The header maps each tensor name to ``{"dtype", "shape", "data_offsets":
 cover exactly: no holes, no overlaps) plus an optional ``"__metadata__"``
 object of string values.  Names are pytreeio canonical key strings.  The
 tree structure (dict/list/tuple/NamedTuple/None, int keys, Python scalars,
-string leaves) is kept as JSON in ``__metadata__["pytreeio.core.tree"]`` and the
+string leaves) is kept as JSON in ``__metadata__["pytreeio.tree"]`` and the
 caller's meta in ``__metadata__["pytreeio.meta"]``, so a tree round-trips
 with or without ``like``.  Files written by other tools load as a flat
 ``{name: array}`` dict with their ``__metadata__`` as meta.
@@ -106,7 +106,7 @@ MAX_META_DEPTH = jsonsafe.MAX_DEPTH
 _TREE_JSON_DEPTH = 3 * MAX_TREE_DEPTH + 2
 _HEADER_JSON_DEPTH = 8  # {name: {"shape": [...]}} is 3 deep; __metadata__ values are strings
 _META = "__metadata__"
-_TREE_KEY = "pytreeio.core.tree"
+_TREE_KEY = "pytreeio.tree"
 _META_KEY = "pytreeio.meta"
 _VERSION_KEY = "pytreeio.version"
 _SUM_KEY = "pytreeio.xxh3_64"
