@@ -113,7 +113,7 @@ def decode_with_meta(
     if verify and "verify" in fmt.load_options:
         options = {**options, "verify": True}
     fmt.check_options(options, "load")
-    native, meta = dispatch.call(fmt.decode, fmt, options, dispatch.as_source(data))
+    native, meta = dispatch.call(fmt.decode, fmt, options, dispatch.encoding_of(fmt, data))
     if like is None:
         return native, meta
     with partial_restore(partial):
@@ -272,7 +272,7 @@ def inspect(path: PathLike, *, format: str | Format | None = None) -> Info:
 def inspect_encoded(data: Any, *, format: str | Format) -> Info:
     """`inspect` without the file system (``data`` as for `decode`)."""
     fmt = registry.get(format)
-    source = dispatch.as_source(data)
+    source = dispatch.encoding_of(fmt, data)
     if isinstance(source, Mapping):
         return fmt.inspect({k: BufferSource(v, name=k) for k, v in source.items()})
     return fmt.inspect(BufferSource(source))
@@ -375,7 +375,7 @@ def convert_encoded(
     conv.split_options(container, None, target, options)
     decode_opts = conv.decode_options(container, target, options)
     native, src_meta = dispatch.call(
-        container.decode, container, decode_opts, dispatch.as_source(data)
+        container.decode, container, decode_opts, dispatch.encoding_of(container, data)
     )
     return conv.convert_decoded(
         container,

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from pytreeio.core.binary import Deferred
+from pytreeio.core.calls import keywords_explained
 from pytreeio.core.errors import EncodeError, PytreeioError
 from pytreeio.core.records import Encoded
 from pytreeio.core.shards import ADDRESSABLE, IN_PARTS, ShardChunk, ShardedLeaf, c_runs, host_array
@@ -283,11 +284,12 @@ def _finish_late(out: Any, plan: _Plan) -> None:
         out.write_at(off, data)
 
 
+@keywords_explained
 def save_in_parts(
     path: str | os.PathLike[str],
     tree: Any,
-    format: str | Any = None,
     *,
+    format: str | Any = None,
     coordinator: Coordinator | None = None,
     meta: Any = None,
     durable: bool = True,

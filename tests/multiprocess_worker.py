@@ -97,7 +97,7 @@ def check(
     from pytreeio import io, multihost
 
     dest = directory / f"ckpt.{fmt}"
-    multihost.save_in_parts(dest, tree, fmt, coordinator=multihost.JaxCoordinator())
+    multihost.save_in_parts(dest, tree, format=fmt, coordinator=multihost.JaxCoordinator())
 
     if process_id == 0:
         whole = {**host, "step": 7, "bias": tree["bias"]}

@@ -364,7 +364,7 @@ def threads_save_in_parts(tmp: Path) -> None:
         written = run_threads(
             2,
             lambda coord, dest=dest, fmt=fmt: multihost.save_in_parts(
-                dest, sharded, fmt, coordinator=coord
+                dest, sharded, format=fmt, coordinator=coord
             ),
             halves,
             **LIMITS,

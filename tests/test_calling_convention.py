@@ -140,3 +140,14 @@ def test_load_with_meta_and_decode_with_meta_agree(tmp_path: Path) -> None:
     assert got["b"].tobytes() == got2["b"].tobytes() == tree["b"].tobytes()
     with pytest.raises(TypeError, match="pass like="):
         ptio.decode(enc, format="safetensors", partial=True)
+
+
+def test_an_encoding_of_the_wrong_shape_for_its_layout_is_a_type_error() -> None:
+    params = {"w": np.ones((2, 3), np.float32)}
+    encoded = ptio.encode([{"weight": params["w"], "bias": np.ones(3, np.float32)}],
+                          format="netcl", meta={"config": ["Linear"]})  # fmt: skip
+    assert ptio.decode(encoded, format="netcl")[0]["weight"].tobytes() == params["w"].tobytes()
+    with pytest.raises(TypeError, match=r"format 'netcl' decodes a mapping of .*'model'"):
+        ptio.decode(b"\x00" * 64, format="netcl")  # one buffer for a format of several files
+    with pytest.raises(TypeError, match=r"format 'msgpack' decodes one buffer"):
+        ptio.inspect_encoded({"a": b"\x80"}, format="msgpack")

@@ -110,7 +110,9 @@ def test_save_in_parts_of_host_arrays_equals_save(tmp_path: Path, fmt: str) -> N
     """Nothing sharded: the primary writes everything, the file is what ``save`` writes."""
     tree: dict[str, Any] = {"a": np.arange(12.0).reshape(3, 4), "b": {"0": np.arange(3), "1": 2.5}}
     dest = tmp_path / f"ckpt.{fmt}"
-    results = run_threads(3, lambda c: multihost.save_in_parts(dest, tree, fmt, coordinator=c))
+    results = run_threads(
+        3, lambda c: multihost.save_in_parts(dest, tree, format=fmt, coordinator=c)
+    )
     assert results == [None, None, None]
     ptio.save(tmp_path / f"plain.{fmt}", tree, format=fmt)
     assert dest.read_bytes() == (tmp_path / f"plain.{fmt}").read_bytes()
@@ -122,7 +124,7 @@ def test_save_in_parts_of_a_sibling_format_is_written_by_the_primary(tmp_path: P
     tree = {"params": [np.ones(2, np.float32)]}
     dest = tmp_path / "ck"
     results = run_threads(
-        2, lambda c: multihost.save_in_parts(dest, tree, "netcl-checkpoint", coordinator=c)
+        2, lambda c: multihost.save_in_parts(dest, tree, format="netcl-checkpoint", coordinator=c)
     )
     assert results == [None, None]
     ptio.save(tmp_path / "plain", tree, format="netcl-checkpoint")

@@ -70,7 +70,7 @@ from pytreeio.core import records
 from pytreeio.core.binary import Slot, Streamed
 from pytreeio.core.errors import ConversionError, EncodeError, MismatchError, PytreeioWarning
 from pytreeio.core.records import Encoded, Format
-from pytreeio.engine.dispatch import FORMAT_KEY, as_source, call, carried, encode_tree
+from pytreeio.engine.dispatch import FORMAT_KEY, call, carried, encode_tree, encoding_of
 from pytreeio.formats import registry
 
 __all__ = [
@@ -400,7 +400,7 @@ def decode_model(data: Any, format: str | Format, *, layers: Any = None, **optio
     unknown = sorted(set(options) - load_names)
     if unknown:
         raise TypeError(f"format {container.name!r} takes no load option(s) {', '.join(unknown)}")
-    native, meta = call(container.decode, container, options, as_source(data))
+    native, meta = call(container.decode, container, options, encoding_of(container, data))
     source, meta = carried(container, meta)
     if source.is_model_format:
         if "layers" in options and "layers" not in source.load_options:

@@ -21,7 +21,7 @@ from pytreeio import io
 from pytreeio.core import records
 from pytreeio.core.binary import as_memoryview
 from pytreeio.core.errors import FormatError, MismatchError, PytreeioWarning, UnknownFormatError
-from pytreeio.core.records import Encoded, Format
+from pytreeio.core.records import Encoded, File, Format, Siblings
 from pytreeio.formats import registry
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "carried",
     "OPENS",
     "as_source",
+    "encoding_of",
     "call",
     "close_source",
     "decode_path",
@@ -257,6 +258,21 @@ def carried(fmt: Format, meta: Any) -> tuple[Format, Any]:
             found=name,
         )
     return inner, {k: v for k, v in meta.items() if k != FORMAT_KEY}
+
+
+def encoding_of(fmt: Format, data: Any) -> Any:
+    """``as_source(data)``, checked against ``fmt``'s layout: one buffer for a single-file
+    format, a mapping (role or relative path -> buffer) for sibling and directory formats."""
+    source = as_source(data)
+    several = not isinstance(fmt.layout, File)
+    if several != isinstance(source, Mapping):
+        if several:
+            keys = fmt.layout.roles if isinstance(fmt.layout, Siblings) else "relative paths"
+            want = f"a mapping of {keys} to buffers (as its encode(...).files)"
+        else:
+            want = "one buffer (bytes, a memoryview, an Encoded)"
+        raise TypeError(f"format {fmt.name!r} decodes {want}, not a {type(data).__name__}")
+    return source
 
 
 def as_source(data: Any) -> Any:

@@ -154,8 +154,11 @@ class Closing:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # try/except, not contextlib.suppress: at interpreter exit module globals may be None
+        try:  # noqa: SIM105
             self.close()
+        except Exception:
+            pass
 
 
 class FileSource(Closing, ByteSource):
