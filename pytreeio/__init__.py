@@ -5,7 +5,7 @@
 >>> state = ptio.load("ckpt.msgpack", like={"params": params, "opt_state": opt_state})
 
 The path (and the tree, for saves) is positional; everything else is keyword-only.
-``import pytreeio`` imports numpy and msgpack only; jax, flax and optax are
+``import pytreeio`` imports numpy only; jax, flax and optax are
 imported by the operations that need them.
 """
 

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from pytreeio import io
 from pytreeio.core import records
 from pytreeio.core.binary import BufferSource
-from pytreeio.core.calls import keywords_explained
+from pytreeio.core.calls import check_like, keywords_explained
 from pytreeio.core.errors import (
     FormatError,
 )
@@ -66,9 +66,9 @@ def encode(
 
     Same tree, ``meta`` and options as `save`.  ``dest`` is the path the
     bytes are meant for, for formats that record it (cl-waffe2 writes it into
-    ``parameters.json``); nothing is written there.  ``Encoded.files`` holds the
-    bytes: one buffer for a single-file format, role/relative path -> buffer
-    for sibling and directory formats.
+    ``parameters.json``); nothing is written there.  A single-file format's
+    bytes are the ``Encoded``'s ``chunks`` (``tobytes()`` joins them); sibling and
+    directory formats hold one ``Encoded`` per role or relative path in ``files``.
     """
     return dispatch.encode_tree(registry.get(format), tree, meta, options, dest)
 
@@ -108,7 +108,7 @@ def decode_with_meta(
     """`decode`, and the meta document of the encoding (as `load_with_meta`)."""
     from pytreeio.core.tree import partial_restore
 
-    _check_partial(partial, like)
+    _check_like(like, partial)
     fmt = registry.get(format)
     if verify and "verify" in fmt.load_options:
         options = {**options, "verify": True}
@@ -120,7 +120,8 @@ def decode_with_meta(
         return dispatch.restore_tree(fmt, native, meta, like, options), meta
 
 
-def _check_partial(partial: bool, like: Any) -> None:
+def _check_like(like: Any, partial: bool) -> None:
+    check_like(like)
     if partial and like is None:
         raise TypeError("partial=True restores the entries `like` names: pass like=")
 
@@ -221,7 +222,7 @@ def load_with_meta(
     """
     from pytreeio.core.tree import partial_restore
 
-    _check_partial(partial, like)
+    _check_like(like, partial)
     if partial and not verify:
         from pytreeio.lazy import load_partial
 

@@ -154,18 +154,19 @@ def resolve_path(path: str, format: str | None) -> str:
     ``pytreeio inspect ckpt.json`` then reads the checkpoint ``ckpt``
     (``ckpt.npz`` + ``ckpt.json``) as ``pytreeio inspect ckpt`` would.
     """
-    stem = _sibling_stem(path, format)
-    if stem is None:
-        return path
     try:
         api.inspect(path, format=format)
+        return path
     except (PytreeioError, OSError):
+        # only now: looking for the sibling layouts lists every format, plug-ins included
+        stem = _sibling_stem(path, format)
+        if stem is None:
+            return path
         try:
             api.inspect(stem, format=format)
         except (PytreeioError, OSError):
             return path  # neither reads: the error is about the path given
         return stem
-    return path
 
 
 def _with_options(fn: Callable[[], T], options: Mapping[str, Any]) -> T:
@@ -399,21 +400,32 @@ def _para(text: str) -> str:
     return textwrap.fill(" ".join(text.split()), width=79)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parser whose help ends with the formats, listed when the help is shown, then
+    ``after_formats``: listing reads the installed plug-ins, which a command need not."""
+
+    def __init__(self, *args: Any, after_formats: str = _EXIT, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.after_formats = after_formats
+
+    def format_help(self) -> str:
+        self.epilog = f"{_format_list()}\n\n{self.after_formats}"
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    formats_text = _format_list()
-    names = ", ".join(sorted(registry.formats()))
+    names = "`pytreeio formats` lists them"
     raw = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pytreeio",
         description=_para(
             "Read, write, inspect, verify, convert and compare checkpoints as JAX pytrees."
         ),
-        epilog=f"{formats_text}\n\n{_EXIT}",
         formatter_class=raw,
     )
     parser.add_argument("--version", action="version", version=f"pytreeio {__version__}")
     # --debug and --quiet are also accepted after the command (`pytreeio verify x --debug`).
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     for where, default in ((parser, False), (common, argparse.SUPPRESS)):
         where.add_argument(
             "--debug",
@@ -437,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
         description: str,
         *,
         path: bool = False,
-        epilog: str = f"{formats_text}\n\n{_EXIT}",
+        after_formats: str = _EXIT,
     ) -> argparse.ArgumentParser:
         p = sub.add_parser(
             name,
@@ -445,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=raw,
             help=summary,
             description=_para(description),
-            epilog=epilog,
+            after_formats=after_formats,
         )
         p.set_defaults(func=func, parser=p)
         if path:
@@ -557,7 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
         "of two different model formats are compared through the common model form (keys "
         "layers[0].kernel, opt.mu[0], opt.count); others by flattened key path. With no "
         "tolerance, entries must be bit-identical (NaN payloads included).",
-        epilog=f"{formats_text}\n\nexit status: 0 identical (or equal within the tolerance "
+        after_formats="exit status: 0 identical (or equal within the tolerance "
         "given), 1 different or an error, 2 usage error",
     )
     p.add_argument("a", metavar="A", help="the first checkpoint: file, directory or stem")
@@ -658,24 +670,10 @@ def _warnings_as_lines(quiet: bool) -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (argparse usage errors exit with 2)."""
-    # The parser lists the formats, which warns of a plug-in that cannot be used: such warnings
-    # wait until --quiet is known, then show as the command's own do (once each).
-    with warnings.catch_warnings(record=True) as early:
-        warnings.simplefilter("always", PytreeioWarning)
-        parser = build_parser()
-
-    def show_early() -> None:
-        for w in early:
-            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-
-    try:
+    parser = build_parser()
+    with _warnings_as_lines(False):  # --help lists the formats: a broken plug-in warns
         args = parser.parse_args(argv)
-    except SystemExit:  # --help, --version, a usage error
-        with _warnings_as_lines(False):
-            show_early()
-        raise
     with _warnings_as_lines(args.quiet):
-        show_early()
         try:
             return int(args.func(args))
         except BrokenPipeError:  # output piped into `head` and friends

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from pytreeio import api
+from pytreeio.core.calls import keywords_explained
 from pytreeio.core.errors import MismatchError, PytreeioError
 from pytreeio.core.records import Format
 from pytreeio.core.tree import iter_leaves, key_string
@@ -610,6 +611,7 @@ def _format_of(path: PathLike, format: str | Format | None) -> Format:
     return registry.get(format if format is not None else api.inspect(path).format, path=path)
 
 
+@keywords_explained
 def diff(
     a: PathLike,
     b: PathLike,

@@ -32,7 +32,7 @@ from typing import Any
 from pytreeio import io
 from pytreeio.core import shards
 from pytreeio.core.binary import Slot
-from pytreeio.core.calls import keywords_explained
+from pytreeio.core.calls import check_like, keywords_explained
 from pytreeio.core.errors import FormatError, MismatchError
 from pytreeio.core.records import Format, Info
 from pytreeio.core.tree import (
@@ -255,6 +255,7 @@ class Checkpoint(Mapping[str, Any]):
         ``like`` name fewer entries than the subtree holds; an entry of
         ``like`` the file lacks is a `MismatchError` either way.
         """
+        check_like(like)
         native = self._native()
         path: tuple[Any, ...] = ()
         if prefix:

@@ -20,7 +20,8 @@ writes::
                          pair for netcl-checkpoint)
     pytreeio.json        {"version": 1, "format": ..., "layout": "single", "path": ...}
 
-and nothing else (pytreeio's saves lock the directory itself and leave no lock files).
+and nothing else of its own (pytreeio's saves lock the directory itself and leave no lock
+files); orbax may add its own markers, such as ``commit_success.txt`` on some file systems.
 
 ``pytreeio.json`` is the item's metadata: restore reads the format from it,
 and ``CheckpointManager.item_metadata(step)`` returns the checkpoint's

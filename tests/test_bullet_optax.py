@@ -329,3 +329,15 @@ def test_refuses_params_that_are_not_ids(tmp_path: Path) -> None:
     with pytest.raises(EncodeError):
         ptio.save(tmp_path / "ck", {"params": {}}, format="bullet")
     assert not (tmp_path / "ck").exists()
+
+
+def test_a_key_besides_params_opt_state_and_step_is_named(tmp_path: Path) -> None:
+    params = nnue_params()
+    state = {"params": params, "opt_state": optax.adamw(1e-3).init(params)}
+    with pytest.raises(EncodeError, match=r"not \['epoch'\]") as refused:
+        ptio.save(tmp_path / "a", {**state, "epoch": 3}, format="bullet")
+    assert refused.value.key_path == "epoch" and not (tmp_path / "a").exists()
+    ptio.save(tmp_path / "b", state, format="bullet")
+    with pytest.raises(MismatchError, match=r"not \['epoch'\]") as mismatch:
+        ptio.load(tmp_path / "b", like={"params": params, "epoch": 0}, format="bullet")
+    assert mismatch.value.key_path == "epoch"

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import pytreeio as ptio
+from pytreeio import multihost
 from pytreeio.diff import diff
 
 #: What each public function takes positionally: its subject and nothing else.
@@ -149,5 +150,45 @@ def test_an_encoding_of_the_wrong_shape_for_its_layout_is_a_type_error() -> None
     assert ptio.decode(encoded, format="netcl")[0]["weight"].tobytes() == params["w"].tobytes()
     with pytest.raises(TypeError, match=r"format 'netcl' decodes a mapping of .*'model'"):
         ptio.decode(b"\x00" * 64, format="netcl")  # one buffer for a format of several files
+    with pytest.raises(TypeError, match=r"not the path 'w.msgpack': load\(path\) reads a file"):
+        ptio.decode("w.msgpack", format="msgpack")
     with pytest.raises(TypeError, match=r"format 'msgpack' decodes one buffer"):
         ptio.inspect_encoded({"a": b"\x80"}, format="msgpack")
+
+
+@pytest.mark.parametrize(
+    "name", sorted(n for n, pos in POSITIONAL.items() if pos and n != "flatten")
+)
+def test_every_function_explains_a_stray_positional(name: str) -> None:
+    func = getattr(ptio, name)
+    subjects = [object()] * len(POSITIONAL[name])  # refused before any argument is looked at
+    keywords = _kinds(func)[1]
+    want = "pass format='msgpack'" if "format" in keywords else "pass to='msgpack'"
+    if "format" not in keywords and "to" not in keywords:
+        want = "by keyword"
+    with pytest.raises(TypeError, match=want):
+        func(*subjects, "msgpack")
+
+
+def test_diff_and_save_in_parts_explain_it_too() -> None:
+    with pytest.raises(TypeError, match="takes a and b positionally"):
+        diff("a", "b", "msgpack")
+    with pytest.raises(TypeError, match="pass format='msgpack'"):
+        multihost.save_in_parts("p", {}, "msgpack")
+
+
+def test_a_string_like_is_refused_with_advice(tmp_path: Path) -> None:
+    path = tmp_path / "a.msgpack"
+    tree = {"w": np.arange(3, dtype=np.float32)}
+    ptio.save(path, tree)
+    encoded = ptio.encode(tree, format="msgpack")
+    calls = [
+        lambda: ptio.load(path, like="msgpack"),
+        lambda: ptio.load_with_meta(path, like="msgpack", partial=True),
+        lambda: ptio.decode(encoded, format="msgpack", like="msgpack"),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match=r"not the string 'msgpack'.*format="):
+            call()
+    with ptio.open(path) as ck, pytest.raises(TypeError, match="not the string"):
+        ck.load(like="msgpack")

@@ -319,6 +319,9 @@ def test_a_broken_plugin_breaks_nothing_else_and_says_why_when_asked_for(site: P
     assert "pytreeio: error: " in done.stderr and "No module named" in done.stderr
     done = cli(site, "inspect", str(mp))
     assert done.returncode == 0 and "format msgpack" in done.stdout
+    assert done.stderr == ""  # a built-in's file: the CLI did not even read the plug-ins
+    done = cli(site, "--help")
+    assert "broken" in done.stderr and "\n  toy " in done.stdout  # help lists them
 
 
 @pytest.mark.parametrize(

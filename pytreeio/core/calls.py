@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["keywords_explained"]
+__all__ = ["keywords_explained", "check_like"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -41,9 +41,19 @@ def _advice(name: str, positional: list[str], keywords: list[str], stray: Any) -
     else:
         head = f"{name}() takes its arguments by keyword"
     if isinstance(stray, str):
-        for keyword in ("format", "to"):
-            if keyword in keywords:
-                return f"{head}: {stray!r} is a format name, pass {keyword}={stray!r}"
+        if "format" in keywords:
+            return f"{head}: a format goes by keyword, pass format={stray!r}"
+        if "to" in keywords:
+            return f"{head}: a format goes by keyword, pass to={stray!r} (from_= for the source's)"
     if "like" in keywords:
         return f"{head}: pass the tree to restore into as like=..."
     return f"{head} ({', '.join(k + '=' for k in keywords)})"
+
+
+def check_like(like: Any) -> None:
+    """Refuse a string ``like``: no one means a tree by it (a format name goes to ``format=``)."""
+    if isinstance(like, str | bytes):
+        raise TypeError(
+            f"like= takes the tree to restore into, not the string {like!r} "
+            f"(a format name goes to format=)"
+        )

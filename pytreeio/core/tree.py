@@ -39,6 +39,7 @@ import numpy as np
 
 from pytreeio.core import keys as prng_keys
 from pytreeio.core import nnx
+from pytreeio.core.calls import keywords_explained
 from pytreeio.core.errors import EncodeError, MismatchError
 
 __all__ = [
@@ -492,6 +493,7 @@ def _lists_from_index_dicts(node: Any, dense: bool) -> Any:
     return [items[("[", i)] for i in range(len(positions))]
 
 
+@keywords_explained
 def unflatten(flat: Mapping[str, Any], *, like: Any = None) -> Any:
     """Inverse of `flatten`.
 

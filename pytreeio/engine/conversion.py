@@ -9,13 +9,13 @@ record (``to_model``/``from_model``, ``accepts_meta``, ``keeps_meta``).
 **Model formats** (netcl, netcl-checkpoint, netcl-params, DataCode, cl-waffe2,
 bullet) convert through the common model form (`pytreeio.model.form`):
 ``to_model`` of the source, then ``from_model`` of the target.  The layer
-list travels in `Model.layers <pytreeio.model.form.Model.layers>` (netcl's
+list travels in `Model.layers` (netcl's
 layer config, DataCode's layers, cl-waffe2's LinearLayer keys and
 pytreeio's sidecar, bullet's ``l{k}w``/``l{k}b`` ids), the optimizer state in
 `pytreeio.model.optim.OptState` (moments and count; hyperparameters where
 the target has a place for them), and what a file holds beyond that
 (DataCode's training stages, netcl-checkpoint's ``config``, bullet's log)
-in `Model.extras <pytreeio.model.form.Model.extras>`, which only its own
+in `Model.extras`, which only its own
 format can write back.
 
 **Generic formats that keep meta** (safetensors, and any registered format

@@ -263,6 +263,8 @@ def carried(fmt: Format, meta: Any) -> tuple[Format, Any]:
 def encoding_of(fmt: Format, data: Any) -> Any:
     """``as_source(data)``, checked against ``fmt``'s layout: one buffer for a single-file
     format, a mapping (role or relative path -> buffer) for sibling and directory formats."""
+    if isinstance(data, str | os.PathLike):
+        raise TypeError(f"an encoding is bytes, not the path {data!r}: load(path) reads a file")
     source = as_source(data)
     several = not isinstance(fmt.layout, File)
     if several != isinstance(source, Mapping):

@@ -36,6 +36,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from pytreeio.core.calls import keywords_explained
 from pytreeio.core.errors import PytreeioWarning, UnknownFormatError
 from pytreeio.core.records import Directory, File, Format, Layout, Probe, Siblings, declared_options
 
@@ -115,6 +116,7 @@ def _check(fmt: Format) -> None:
         declared_options(fn)  # raises for **kwargs
 
 
+@keywords_explained
 def register(fmt: Format, *, replace: bool = False) -> Format:
     """Add ``fmt`` to the registry under ``fmt.name`` and return it.
 

@@ -183,7 +183,7 @@ def encode(tree: Any, *, meta: Mapping[str, Any] | None = None, strict: bool = F
     """The files of a checkpoint directory for a native tree; ``meta``: ``saved_format``
     (default: every tensor f32, model order), ``steps`` (``{id: step}``), ``log``; ``tree``
     may be a training state keyed by tensor ids (`.states`)."""
-    if states.parts(tree) is not None:
+    if states.parts(tree, states.encode_error) is not None:
         tree, meta = states.to_native(tree, meta)
     native = _check_native(tree)
     weights = native["weights"]
@@ -262,7 +262,7 @@ def decode(
 def restore(native: Any, meta: dict[str, Any], like: Any, *, step: int | None = None) -> Any:
     """``native`` in ``like``'s structure: a training state keyed by tensor ids (`.states`;
     ``step``: its count where the checkpoint has no step.txt), else the native tree's own."""
-    if states.parts(like) is not None:
+    if states.parts(like, states.mismatch) is not None:
         return states.restore_state(native, meta, like, step)
     return tree_restore(native, like)
 

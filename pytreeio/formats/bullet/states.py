@@ -58,23 +58,35 @@ class State(NamedTuple):
     step: Any
 
 
-def parts(tree: Any) -> State | None:
-    """The parts of a training state keyed by tensor ids, or None when ``tree`` is not one."""
+def parts(tree: Any, fail: Fail | None = None) -> State | None:
+    """The parts of a training state keyed by tensor ids, or None when ``tree`` is not one.
+
+    With ``fail``, a state with keys besides ``params``, ``opt_state`` and ``step`` raises
+    ``fail(reason, key)`` naming the first of them (without, it is not a state).
+    """
     from pytreeio.model.form import is_flax_tree
 
-    if not isinstance(tree, Mapping) or not set(tree) <= _KEYS or "params" not in tree:
+    if not isinstance(tree, Mapping) or "params" not in tree:
         return None
     params = tree["params"]
     if not isinstance(params, Mapping) or is_flax_tree(params):
         return None
+    extra = sorted(map(str, set(tree) - _KEYS))
+    if extra:
+        if fail is None:
+            return None
+        raise fail(
+            f"a bullet training state holds params, opt_state and step only, not {extra}",
+            extra[0],
+        )
     return State(params, tree.get("opt_state"), tree.get("step"))
 
 
-def _encode_error(reason: str, where: str) -> Exception:
+def encode_error(reason: str, where: str) -> Exception:
     return EncodeError(reason, key_path=where)
 
 
-def _mismatch(reason: str, where: str) -> Exception:
+def mismatch(reason: str, where: str) -> Exception:
     return MismatchError(reason, key_path=where)
 
 
@@ -142,7 +154,7 @@ def to_native(
 
     state = parts(tree)
     assert state is not None
-    flat = tensor_ids(state.params, _encode_error)
+    flat = tensor_ids(state.params, encode_error)
     weights = {rid: leaf for _, rid, leaf in flat}
     native: dict[str, dict[str, Any]] = {"weights": weights}
     count = None
@@ -213,7 +225,7 @@ def restore_state(native: Any, meta: Mapping[str, Any], like: Any, step: int | N
     weights = native.get("weights") if isinstance(native, Mapping) else None
     if not isinstance(weights, Mapping):
         raise MismatchError("the checkpoint holds no weights", key_path="weights", found=None)
-    flat = tensor_ids(state.params, _mismatch)
+    flat = tensor_ids(state.params, mismatch)
     ids = [rid for _, rid, _ in flat]
     for path, rid, leaf in flat:
         if rid not in weights:
