@@ -9,7 +9,10 @@ API page (mkdocstrings) documents exactly ``pytreeio.__all__``.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,3 +53,18 @@ def test_every_page_is_in_the_site_navigation() -> None:
         f"not in the nav: {sorted(pages - nav)}; no such page: {sorted(nav - pages)}"
     )
     assert len(pages) >= 10
+
+
+def test_the_site_builds_strictly(tmp_path: Path) -> None:
+    """``mkdocs build --strict`` (``nox -s docs``): a broken link or an API name that does not
+    resolve fails the build."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert (tmp_path / "site" / "api" / "index.html").is_file()
