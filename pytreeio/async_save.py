@@ -334,7 +334,6 @@ def save_async(
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
         raise ValueError(f"max_pending_bytes must be an int >= 0, not {max_pending_bytes!r}")
     fmt = format_for_save(path, format)
-    shards.start_host_copies(tree)
     encoded = encode_tree(fmt, tree, meta, options, path)
     reserved = encoded.nbytes
     _reserve(reserved, limit)

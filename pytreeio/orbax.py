@@ -63,7 +63,6 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import future as ocp_future
 
 from pytreeio import api, async_save, io
-from pytreeio.core import shards
 from pytreeio.core.errors import EncodeError, FormatError
 from pytreeio.core.jsonsafe import loads as json_loads
 from pytreeio.core.records import Encoded, Format, Info
@@ -158,7 +157,7 @@ class _Pending:
 
 
 def _host_ready(tree: Any) -> None:
-    """Refuse arrays this layout cannot write; start every device-to-host copy at once."""
+    """Refuse arrays this layout cannot write (encoding starts the device-to-host copies)."""
     import jax
 
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
@@ -168,7 +167,6 @@ def _host_ready(tree: Any) -> None:
                 "fully addressable arrays only (one file from the primary process)",
                 key_path=jax.tree_util.keystr(path),
             )
-    shards.start_host_copies(tree)
 
 
 def _prepare(args: PytreeioSave) -> _Pending:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pytreeio import io
-from pytreeio.core import records
+from pytreeio.core import records, shards
 from pytreeio.core.binary import as_memoryview
 from pytreeio.core.errors import FormatError, MismatchError, PytreeioWarning, UnknownFormatError
 from pytreeio.core.records import Encoded, File, Format, Siblings
@@ -151,6 +151,8 @@ def encode_tree(
 
     fmt.check_options(options, "save")
     refuse_keys(model if model is not None else tree, fmt.name)  # typed PRNG keys: named, early
+    if model is None:  # every accelerator array's copy to the host at once, not one by one
+        shards.start_host_copies(tree)
     opts = dict(options)
     layers = opts.pop("layers", None)
     out_meta: dict[str, Any] | None = dict(meta) if meta is not None else None
