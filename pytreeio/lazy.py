@@ -169,7 +169,7 @@ class Checkpoint(Mapping[str, Any]):
         except (FormatError, MismatchError) as exc:
             if exc.path is None:
                 exc.path = self.path
-            elif isinstance(self._source, _Sources) and exc.path in self._source:
+            elif isinstance(self._source, _Sources):  # a role or a directory's relative path
                 exc.path = self._source.path_of(exc.path)
             raise
 

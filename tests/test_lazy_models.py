@@ -288,6 +288,7 @@ def test_bullet_raw_only_and_old_records(tmp_path: Path) -> None:
     check_path(root, B.slots)
 
 
+@pytest.mark.filterwarnings("ignore:quantised.bin is empty")  # asserted in test_bullet.py
 def test_bullet_hostile() -> None:
     good = bullet_files()
     rng = random.Random(1)

@@ -118,9 +118,11 @@ def split_options(
     save_names = target.save_options
     unknown = sorted(set(options) - load_names - save_names)
     if unknown:
-        src = container.name if source is None or source is container else source.name
+        src = repr(container.name if source is None or source is container else source.name)
+        if source is None and load_names != container.load_options:
+            src += " (with the model formats its files may carry)"
         raise TypeError(
-            f"convert takes no option(s) {', '.join(unknown)}: format {src!r} loads with "
+            f"convert takes no option(s) {', '.join(unknown)}: format {src} loads with "
             f"{sorted(load_names) or 'none'}, format {target.name!r} saves with "
             f"{sorted(save_names) or 'none'}"
         )

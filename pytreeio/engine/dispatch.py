@@ -106,8 +106,10 @@ def errors_located(path: PathLike | None, source: Any = None) -> Iterator[None]:
         if path is not None:
             if exc.path is None:
                 exc.path = os.fspath(path)
-            elif isinstance(source, io.FileSet) and exc.path in source:
+            elif isinstance(source, io.FileSet):  # a role or a directory's relative path
                 exc.path = source.path_of(exc.path)
+            elif not os.path.isabs(exc.path) and os.path.isdir(path):  # a directory's file
+                exc.path = os.path.join(path, exc.path)
         raise
 
 

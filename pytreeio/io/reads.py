@@ -249,9 +249,11 @@ class FileSet(Closing, Mapping[str, Any]):
         headers: bool = False,
         fds: Mapping[str, int] | None = None,
         dir_fd: int | None = None,
+        root: str | None = None,
     ) -> None:
         # strings: a directory of thousands of files would spend more on Path objects
         self.paths = {k: os.fspath(v) for k, v in paths.items()}
+        self._root = root
         self._mmap = mmap
         self._headers = headers
         self._fds: dict[str, int] = dict(fds or {})
@@ -281,7 +283,12 @@ class FileSet(Closing, Mapping[str, Any]):
             raise
         prefix = os.path.join(base, "")  # the root and one separator: names are POSIX paths
         return cls(
-            {n: prefix + n for n in names}, mmap=mmap, headers=headers, fds=fds, dir_fd=dir_fd
+            {n: prefix + n for n in names},
+            mmap=mmap,
+            headers=headers,
+            fds=fds,
+            dir_fd=dir_fd,
+            root=prefix,
         )
 
     def _own_fd(self, name: str) -> int:
@@ -328,7 +335,10 @@ class FileSet(Closing, Mapping[str, Any]):
         return len(self.paths)
 
     def path_of(self, name: str) -> str:
-        return self.paths[name]
+        """The path of file ``name``: listed, or (a directory's file it lacks) under its root."""
+        if name in self.paths or self._root is None or os.path.isabs(name):
+            return self.paths.get(name, name)
+        return self._root + name
 
     def close(self) -> None:
         """Close the files held open (buffers and maps already returned stay valid)."""
