@@ -50,6 +50,7 @@ from pytreeio.core.binary import Deferred, as_memoryview
 from pytreeio.core.calls import keywords_explained
 from pytreeio.core.records import Encoded, Format
 from pytreeio.core.threads import new_pool, pool
+from pytreeio.engine import dispatch
 
 if TYPE_CHECKING:  # not at run time: the module cannot be imported once the interpreter exits
     from concurrent.futures import ThreadPoolExecutor
@@ -128,6 +129,9 @@ def wait_for(path: PathLike) -> None:
         pending = _newest.get(_dest_key(path))
     if pending is not None:
         _wait([pending])
+
+
+dispatch.wait_before_saving(wait_for)  # a plain save waits for the background ones first
 
 
 def wait_saves(*, timeout: float | None = None) -> None:
@@ -277,14 +281,12 @@ def _write(
     durable: bool,
     reserved: int,
 ) -> None:
-    from pytreeio.engine.dispatch import deliver_deferred
-
     try:
         if before is not None:
             _wait([before])  # submitted earlier to a FIFO pool: already running or done
         future.set_running_or_notify_cancel()  # never cancelled: see SaveFuture.cancel
         io.write_atomic(path, encoded, fmt.layout, durable=durable)
-        deliver_deferred(encoded)
+        dispatch.deliver_deferred(encoded)
     except BaseException as exc:
         future.set_exception(exc)
     else:
@@ -328,13 +330,11 @@ def save_async(
     written; a snapshot larger than the bound waits until no save is pending.
     ``0`` makes each call wait for every earlier save (one snapshot at a time).
     """
-    from pytreeio.engine.dispatch import encode_tree, format_for_save
-
     limit = MAX_PENDING_BYTES if max_pending_bytes is None else max_pending_bytes
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
         raise ValueError(f"max_pending_bytes must be an int >= 0, not {max_pending_bytes!r}")
-    fmt = format_for_save(path, format)
-    encoded = encode_tree(fmt, tree, meta, options, path)
+    fmt = dispatch.format_for_save(path, format)
+    encoded = dispatch.encode_tree(fmt, tree, meta, options, path)
     reserved = encoded.nbytes
     _reserve(reserved, limit)
     try:

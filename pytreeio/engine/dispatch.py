@@ -9,7 +9,6 @@ saves in parts, conversion) are thin callers of these functions.
 from __future__ import annotations
 
 import os
-import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -113,11 +112,21 @@ def errors_located(path: PathLike | None, source: Any = None) -> Iterator[None]:
         raise
 
 
+#: What a save waits for before it writes to a destination: `pytreeio.async_save` adds its
+#: ``wait_for`` when imported, so that saves to one destination land in the order made.
+_PENDING: list[Callable[[PathLike], None]] = []
+
+
+def wait_before_saving(wait: Callable[[PathLike], None]) -> None:
+    """Have every save to a path call ``wait(path)`` before it writes (once per ``wait``)."""
+    if wait not in _PENDING:
+        _PENDING.append(wait)
+
+
 def after_pending_saves(path: PathLike) -> None:
-    """Wait for the background saves (`pytreeio.async_save`) to ``path`` made so far."""
-    pending = sys.modules.get("pytreeio.async_save")  # none were made if it was never imported
-    if pending is not None:
-        pending.wait_for(path)
+    """Wait for the saves to ``path`` still pending elsewhere (see `wait_before_saving`)."""
+    for wait in _PENDING:
+        wait(path)
 
 
 def deliver_deferred(encoded: Encoded) -> None:
