@@ -664,8 +664,9 @@ def _msgpack_wrong(rng: random.Random) -> Any:
     import msgpack
 
     array = msgpack.packb([[2], "float32", b"\0" * 8], use_bin_type=True)
+    packable = [w for w in _WRONG if not isinstance(w, int) or -(2**63) <= w < 2**64]
     return rng.choice(
-        [*_WRONG, *_WORDS, b"\xff", msgpack.ExtType(1, array), msgpack.ExtType(2, b"\x92"),
+        [*packable, 2**64 - 1, -(2**63), *_WORDS, b"\xff", msgpack.ExtType(1, array), msgpack.ExtType(2, b"\x92"),
          msgpack.ExtType(1, b""), msgpack.ExtType(99, b"x"), {"0": 1}, [[0], "float32", b""]]
     )  # fmt: skip
 
