@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import assert_bits_equal
 
 import pytreeio as ptio
 from pytreeio.core.errors import ConversionError, EncodeError, MismatchError
@@ -85,17 +86,6 @@ def trainer(tx: Any) -> Any:
 
 def like_of(tx: Any, params: Any) -> dict[str, Any]:
     return {"params": jax.eval_shape(lambda: params), "opt_state": jax.eval_shape(tx.init, params)}
-
-
-def assert_bits_equal(a: Any, b: Any) -> None:
-    """The same structure, and every leaf the same dtype, shape and bits."""
-    la, ta = jax.tree_util.tree_flatten(a)
-    lb, tb = jax.tree_util.tree_flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert x.tobytes() == y.tobytes()  # bit for bit (NaN payloads and -0.0 included)
 
 
 def adam_state(opt_state: Any) -> Any:

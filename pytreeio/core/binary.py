@@ -53,9 +53,7 @@ _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _I32 = struct.Struct("<i")
 _U64 = struct.Struct("<Q")
-_I64 = struct.Struct("<q")
 _F32 = struct.Struct("<f")
-_F64 = struct.Struct("<d")
 # Big-endian, for formats framed in network order (msgpack).
 _BE_I8 = struct.Struct(">b")
 _BE_U16 = struct.Struct(">H")
@@ -263,14 +261,8 @@ class Reader:
     def u64(self, field: str) -> int:
         return int(self._unpack(_U64, field))
 
-    def i64(self, field: str) -> int:
-        return int(self._unpack(_I64, field))
-
     def f32(self, field: str) -> float:
         return float(self._unpack(_F32, field))
-
-    def f64(self, field: str) -> float:
-        return float(self._unpack(_F64, field))
 
     def be_i8(self, field: str) -> int:
         return int(self._unpack(_BE_I8, field))
@@ -411,17 +403,9 @@ class Writer:
         self._pending += _U64.pack(v)
         self.nbytes += 8
 
-    def i64(self, v: int) -> None:
-        self._pending += _I64.pack(v)
-        self.nbytes += 8
-
     def f32(self, v: float) -> None:
         self._pending += _F32.pack(v)
         self.nbytes += 4
-
-    def f64(self, v: float) -> None:
-        self._pending += _F64.pack(v)
-        self.nbytes += 8
 
     def struct(self, st: struct.Struct, *values: Any) -> None:
         self._pending += st.pack(*values)
@@ -517,6 +501,12 @@ class ByteSource:
 
     def read(self, offset: int, n: int, field: str) -> memoryview:
         """``n`` bytes at ``offset``; `FormatError` if the file is shorter."""
+        self._check_range(offset, n, field)
+        data = self._read(offset, n)
+        self.bytes_read += n
+        return data
+
+    def _check_range(self, offset: int, n: int, field: str) -> None:
         if offset < 0 or n < 0 or offset + n > self.size:
             raise FormatError(
                 f"truncated: needs {n} bytes at offset {offset}, file has {self.size}",
@@ -524,9 +514,6 @@ class ByteSource:
                 field=field,
                 offset=offset,
             )
-        data = self._read(offset, n)
-        self.bytes_read += n
-        return data
 
     def reader(self, offset: int, n: int, field: str) -> Reader:
         """A `Reader` over ``n`` bytes at ``offset`` reporting file offsets."""

@@ -149,10 +149,6 @@ class Encoded:
     strict: bool = False
 
     @property
-    def is_multi_file(self) -> bool:
-        return self.files is not None
-
-    @property
     def nbytes(self) -> int:
         if self.files is not None:
             return sum(f.nbytes for f in self.files.values())
@@ -346,16 +342,6 @@ def _declared_options(fn: Callable[..., Any]) -> frozenset[str]:
                 continue  # a positional argument, not an option
             names.add(p.name)
     return frozenset(names)
-
-
-def takes_dest(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` (an ``encode``) wants the destination path as the caller gave it."""
-    try:
-        import inspect as _inspect
-
-        return "dest" in _inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 class Format(NamedTuple):

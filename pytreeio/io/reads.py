@@ -185,15 +185,6 @@ class FileSource(Closing, ByteSource):
         self.bytes_read += n
         return view
 
-    def _check_range(self, offset: int, n: int, field: str) -> None:
-        if offset < 0 or n < 0 or offset + n > self.size:
-            raise FormatError(
-                f"truncated: needs {n} bytes at offset {offset}, file has {self.size}",
-                path=self.name,
-                field=field,
-                offset=offset,
-            )
-
     def read_into(self, offset: int, out: memoryview, field: str) -> None:
         """Fill ``out`` with the bytes at ``offset`` (``pread`` straight into the caller's buffer)."""
         self._check_range(offset, len(out), field)
