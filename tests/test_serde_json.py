@@ -44,6 +44,7 @@ KNOWN = [
     (2.2250738585072014e-308, "2.2250738585072014e-308"),
     (0.37143418192863464, "0.37143418192863464"),
     (2.0**-24, "5.960464477539063e-8"),  # shortest is not the 16-digit rounding
+    (562949953421312.8, "562949953421312.8"),  # ...312.75 exactly: halfway, rounds to even
     (math.nan, "null"),
     (math.inf, "null"),
     (-math.inf, "null"),
@@ -65,7 +66,8 @@ def _independent(x: float) -> str:
         step = Decimal(1).scaleb(near.adjusted() - k)
         fits = [c for c in (near - step, near, near + step) if float(c) == abs(x)]
         if fits:
-            best = min(fits, key=lambda c: abs(c - exact))
+            # the closest; on a tie (the exact value halfway) the even last digit, as ryu rounds
+            best = min(fits, key=lambda c: (abs(c - exact), c.as_tuple().digits[-1] % 2))
             break
     _, digits, exp = best.normalize().as_tuple()
     d = "".join(map(str, digits))
