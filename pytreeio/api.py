@@ -134,6 +134,7 @@ def save(
     format: str | Format | None = None,
     meta: Mapping[str, Any] | None = None,
     durable: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> None:
     """Save ``tree`` to ``path`` atomically.
@@ -147,11 +148,14 @@ def save(
       meta: the format's non-tensor information (see each format's docs).
       durable: fsync the files and their directory (default).  ``False``
         keeps the atomic rename but skips the fsyncs.
+      storage_options: for a URL (``s3://``, ``gs://``, any fsspec protocol), options of
+        its file system (credentials, ``endpoint_url``, ...); see `location`.
       **options: the format's save options (``pytreeio formats`` lists them);
         model formats also take ``layers=[...]`` (the layer list of a Flax
         tree, activations included).  An option the format does not take
         raises ``TypeError``.
     """
+    path = io.location(path, storage_options)
     fmt = dispatch.format_for_save(path, format)
     dispatch.save_tree(path, fmt, tree, meta, options, durable=durable)
 
@@ -165,6 +169,7 @@ def load(
     mmap: bool = False,
     verify: bool = False,
     partial: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> Any:
     """Load a checkpoint.
@@ -192,6 +197,8 @@ def load(
         file may hold more; an entry of ``like`` the file lacks is still a
         `MismatchError`).  Formats with a ``slots`` function read only
         those entries' bytes (see `pytreeio.open`).
+      storage_options: for a URL (``s3://``, ``gs://``, any fsspec protocol), options of
+        its file system (credentials, ``endpoint_url``, ...).
       **options: the format's load options; others raise ``TypeError``.
 
     Raises:
@@ -200,7 +207,14 @@ def load(
       MismatchError: the file and ``like`` disagree (names the key path).
     """
     return load_with_meta(
-        path, like=like, format=format, mmap=mmap, verify=verify, partial=partial, **options
+        path,
+        like=like,
+        format=format,
+        mmap=mmap,
+        verify=verify,
+        partial=partial,
+        storage_options=storage_options,
+        **options,
     )[0]
 
 
@@ -213,6 +227,7 @@ def load_with_meta(
     mmap: bool = False,
     verify: bool = False,
     partial: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> tuple[Any, dict[str, Any]]:
     """`load`, and the checkpoint's meta document: ``(tree, meta)``.
@@ -223,6 +238,7 @@ def load_with_meta(
     from pytreeio.core.tree import partial_restore
 
     _check_like(like, partial)
+    path = io.location(path, storage_options)
     if partial and not verify:
         from pytreeio.lazy import load_partial
 
@@ -253,8 +269,15 @@ def _sharded(like: Any) -> bool:
 
 
 @keywords_explained
-def inspect(path: PathLike, *, format: str | Format | None = None) -> Info:
-    """What a checkpoint holds (entries, shapes, dtypes, meta), reading headers only."""
+def inspect(
+    path: PathLike,
+    *,
+    format: str | Format | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Info:
+    """What a checkpoint holds (entries, shapes, dtypes, meta), reading headers only
+    (ranged reads of an object in storage)."""
+    path = io.location(path, storage_options)
     fmt = dispatch.format_for_load(path, format)
 
     def read() -> Info:
@@ -289,6 +312,7 @@ def convert(
     meta: Mapping[str, Any] | None = None,
     lossy: bool = False,
     durable: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> None:
     """Re-encode the checkpoint at ``src`` as format ``to`` at ``dst``.
@@ -309,9 +333,16 @@ def convert(
     the target cannot hold raises `ConversionError` naming it, before
     anything is written; ``lossy=True`` drops it with a
     `PytreeioWarning` listing what was dropped.
+
+    ``src`` and ``dst`` may be URLs (``storage_options`` applies to both): tensors stream
+    from one to the other within the same memory bound as between local files.
     """
     from pytreeio.engine import conversion as conv
 
+    src = io.location(src, storage_options if io.is_url(src) else None)
+    dst = io.location(dst, storage_options if io.is_url(dst) else None)
+    if storage_options and not (io.is_url(src) or io.is_url(dst)):
+        io.location(src, storage_options)  # the error: options for local paths
     target = registry.get(to, path=dst)
     container = dispatch.format_for_load(src, from_)
     conv.split_options(container, None, target, options)  # misspelt options fail before reading
@@ -405,7 +436,13 @@ def _decode_verified(
 
 
 @keywords_explained
-def verify(path: PathLike, *, format: str | Format | None = None, **options: Any) -> Info:
+def verify(
+    path: PathLike,
+    *,
+    format: str | Format | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> Info:
     """Decode a whole checkpoint (every byte checked) and return its `Info`.
 
     ``options`` are the format's load options.  Checksums are checked: the
@@ -418,8 +455,10 @@ def verify(path: PathLike, *, format: str | Format | None = None, **options: Any
     that have any).  What a format's own checks report (its decode called with
     ``verify=True`` fills ``meta[records.REPORT]``; bullet's largest
     quantisation error per tensor, given ``saved_format=``) is merged in too,
-    e.g. ``info.meta["quantisation_error"]``.
+    e.g. ``info.meta["quantisation_error"]``.  A directory or sibling set in object
+    storage is also checked against the sizes and checksums its commit object records.
     """
+    path = io.location(path, storage_options)
     fmt = dispatch.format_for_load(path, format)
     # Its decode, manifest check and inspect each open the checkpoint: a save meanwhile
     # could pair one version's checks with another's files or entries (a false "changed

@@ -115,6 +115,8 @@ def _get_executor() -> ThreadPoolExecutor:
 
 def _dest_key(path: PathLike) -> str:
     """One name per destination however it is spelt (symlinks resolved, as io's locks do)."""
+    if io.is_url(path):
+        return str(path)
     p = Path(path)
     if os.path.islink(p):
         return os.path.realpath(p)
@@ -310,6 +312,7 @@ def save_async(
     meta: Mapping[str, Any] | None = None,
     durable: bool = True,
     max_pending_bytes: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> SaveFuture:
     """`pytreeio.save` whose write and fsyncs run in the background.
@@ -330,6 +333,7 @@ def save_async(
     written; a snapshot larger than the bound waits until no save is pending.
     ``0`` makes each call wait for every earlier save (one snapshot at a time).
     """
+    path = io.location(path, storage_options)
     limit = MAX_PENDING_BYTES if max_pending_bytes is None else max_pending_bytes
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
         raise ValueError(f"max_pending_bytes must be an int >= 0, not {max_pending_bytes!r}")

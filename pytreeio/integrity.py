@@ -107,7 +107,7 @@ def file_checksum(path: str | os.PathLike[str]) -> tuple[int, str]:
 # --------------------------------------------------------------------------
 
 
-def _layout_of(path: Path, format: Any) -> Any:
+def _layout_of(path: Path | io.Url, format: Any) -> Any:
     from pytreeio.engine import dispatch
 
     return dispatch.format_for_load(path, format)
@@ -224,6 +224,8 @@ def check_manifest(path: str | os.PathLike[str], format: Any = None) -> bool:
     that is missing, unrecorded, resized or changed, and for a malformed
     manifest.
     """
+    if isinstance(path, io.Url):
+        return _check_commit(path, format)
     p = Path(path)
     fmt = _layout_of(p, format)
     where, base, files = _members(p, fmt)
@@ -236,6 +238,19 @@ def check_manifest(path: str | os.PathLike[str], format: Any = None) -> bool:
         lambda name: file_checksum(files[name]),
         os.fspath(where),
         lambda name: os.fspath(files[name] if name in files else base / name),
+    )
+    return True
+
+
+def _check_commit(url: io.Url, format: Any) -> bool:
+    """`check_manifest` of a directory or linked set in object storage: its commit object
+    records each file's size and checksum (`pytreeio.io.remote`)."""
+    found = io.remote.commit_record(url, _layout_of(url, format).layout)
+    if found is None:
+        return False
+    where, recorded, keys = found
+    _compare(
+        recorded, keys, lambda n: io.remote.checksum(url, keys[n]), where, lambda n: url.at(keys[n])
     )
     return True
 

@@ -356,7 +356,12 @@ def _missing(key: str, entries: Mapping[str, Any]) -> str:
 
 @keywords_explained
 def open(
-    path: PathLike, *, format: str | Format | None = None, verify: bool = False, **options: Any
+    path: PathLike,
+    *,
+    format: str | Format | None = None,
+    verify: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    **options: Any,
 ) -> Checkpoint:
     """A lazy view of the checkpoint at ``path`` (use as a context manager).
 
@@ -390,8 +395,11 @@ def open(
 
     Raises as ``load`` does: ``FileNotFoundError``, `UnknownFormatError`,
     `FormatError` for malformed headers (tensor data is checked when read).
+
+    A URL (``s3://``, ``gs://``, any fsspec protocol; ``storage_options`` configure its file
+    system) is read by ranged GETs: the headers, then each tensor's bytes when it is asked for.
     """
-    return Checkpoint(path, format, options, verify)
+    return Checkpoint(io.location(path, storage_options), format, options, verify)
 
 
 def load_partial(

@@ -83,7 +83,7 @@ def format_for_load(path: PathLike, format: str | Format | None) -> Format:
         raise FileNotFoundError(2, "No such file or directory", os.fspath(path))
     # Content unrecognised: a suffix still names the format, whose decoder
     # then says precisely what is wrong with the bytes.
-    fmt = registry.for_suffix(path) if Path(path).is_file() else None
+    fmt = registry.for_suffix(path) if io.is_file(path) else None
     if fmt is None:
         raise UnknownFormatError(
             "the content matches no registered format; pass format=", path=os.fspath(path)

@@ -311,7 +311,7 @@ class FileSet(Closing, Mapping[str, Any]):
         finally:
             os.close(fd)
 
-    def ranges(self, name: str) -> FileSource | None:
+    def ranges(self, name: str) -> ByteSource | None:
         """File ``name`` as a `FileSource`, for a format that reads it itself (an npz
         archive into its members' buffers), or None where the set maps its files (``mmap``)."""
         return None if self._mmap else FileSource(self.paths[name], fd=self._own_fd(name))

@@ -1,0 +1,704 @@
+"""Checkpoints in object storage: URLs (``s3://``, ``gs://``, ``memory://``, any fsspec protocol).
+
+`location` turns a URL and ``storage_options`` into a `Url` (a ``str`` that carries its
+fsspec file system); local paths (and ``file://`` URLs) stay paths, and fsspec is imported
+only for URLs.  `probe`, `open_source`, `write_atomic` and `identity` are the local
+functions' counterparts for a `Url`.
+
+Object stores have no rename, so atomicity comes from objects that are written whole:
+
+- a single-file checkpoint is one object (staged in a local temporary file, then one PUT
+  or a multipart upload that the store publishes only when it completes);
+- a directory checkpoint ``D`` or a linked sibling set (anchor ``A`` = its first linked
+  role's object) is written as a version, then committed by one small object written last::
+
+      D/.pytreeio-<version>/<relative path>        A's parent/.<A's name>.pytreeio-<version>/<file>
+      D/.pytreeio-commit                           A's parent/.<A's name>.pytreeio-commit
+
+  The commit object is JSON: ``{"pytreeio_commit": 1, "version": ..., "files": {name:
+  {"size": n, "xxh3_64": hex}}}`` (names: relative paths, or the sibling files' names).
+  A load reads the commit object, then only the files it names: a version without one
+  (a save still running, or killed) is never read.  A directory of plain objects with no
+  commit object (uploaded by another tool) is read as it is.
+
+- After committing, a save removes the version its commit replaced, its own version if
+  another saver's commit landed after its own, and versions left by dead saves: those of this
+  host whose process is gone, and any older than `STALE_AFTER`.  Two concurrent savers
+  each write a whole version; the checkpoint is the one whose commit object landed last.
+
+Reads are ranged GETs: a whole object in parallel blocks, a lazy view's tensor by its
+range.  A single object replaced while it is read (its ETag changes) is `ChangedWhileOpen`,
+as is a committed version removed meanwhile; whole loads then read it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import socket
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pytreeio.core.binary import ByteSource
+from pytreeio.core.errors import FormatError
+from pytreeio.core.records import Directory, Encoded, File, Layout, Probe, Siblings
+from pytreeio.io.atomic import _write_chunks
+from pytreeio.io.probes import _HEAD, _MAX_NAMES, _listing_probe, _probe_source, _probe_with
+from pytreeio.io.reads import ChangedWhileOpen, Closing, FileSet
+
+# "s3://", "gs://", chained "simplecache::s3://": a protocol, then "://" or "::"
+_PROTOCOL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*(?=://|::)")
+_COMMIT = ".pytreeio-commit"
+_VERSION_MARK = ".pytreeio-"
+_VERSION = re.compile(r"(\d{8}T\d{6}\.\d{6})Z-(.+)-(\d+)-([0-9a-f]{8})")
+#: An uncommitted version older than this is a dead save's, whoever wrote it.
+STALE_AFTER = 24 * 3600.0
+#: The largest commit object read (a directory of 10,000 files takes about 1 MB).
+MAX_COMMIT_BYTES = 16 << 20
+# Whole objects are fetched in blocks this large, this many at once (ranged GETs in parallel).
+_BLOCK = 16 << 20
+_BLOCKS_AT_ONCE = 8
+
+
+class Url(str):
+    """A URL with the fsspec file system it names: ``str(url)`` is the URL, for messages.
+
+    Attributes:
+      fs: the ``fsspec.AbstractFileSystem``.
+      key: the path on ``fs`` (no protocol).
+    """
+
+    fs: Any
+    key: str
+
+    def __new__(cls, url: str, fs: Any, key: str) -> Url:
+        self = super().__new__(cls, url)
+        self.fs = fs
+        self.key = key
+        return self
+
+    def at(self, key: str) -> Url:
+        """The URL of another object on the same file system."""
+        return Url(self.fs.unstrip_protocol(key), self.fs, key)
+
+
+def is_url(path: object) -> bool:
+    """Whether ``path`` is a URL that fsspec serves (``file://`` URLs are local paths)."""
+    if isinstance(path, Url):
+        return True
+    if not isinstance(path, str):
+        return False
+    m = _PROTOCOL.match(path)
+    return m is not None and not (m.group().lower() == "file" and path[4:7] == "://")
+
+
+def location(path: Any, storage_options: Mapping[str, Any] | None = None) -> Any:
+    """``path`` as the io functions take it: a `Url` for URLs, else the local path itself.
+
+    ``storage_options`` go to the fsspec file system (credentials, ``endpoint_url``...);
+    fsspec's configuration and environment variables (``FSSPEC_S3_ENDPOINT_URL``) apply too.
+    """
+    if isinstance(path, Url):
+        return path
+    if isinstance(path, str) and path[:7].lower() == "file://" and "::" not in path:
+        path = path[7:]  # a local file: the local code, with its renames and locks
+    elif is_url(path):
+        try:
+            from fsspec.core import url_to_fs
+        except ImportError:
+            raise ImportError(
+                f"{path}: URLs need fsspec and the protocol's file system: "
+                "pip install 'pytreeio[cloud]'"
+            ) from None
+        try:
+            fs, key = url_to_fs(path, **dict(storage_options or {}))
+        except (ImportError, ValueError) as exc:
+            raise ValueError(f"{path}: cannot open this URL's file system: {exc}") from exc
+        return Url(path, fs, key)
+    if storage_options:
+        raise TypeError(
+            "storage_options= configures the file system of a URL (s3://, gs://, ...); "
+            f"{os.fspath(path)!r} is a local path"
+        )
+    return path
+
+
+@contextlib.contextmanager
+def _storage_errors(url: str) -> Iterator[None]:
+    """The store's failures as ``OSError`` naming the URL (a missing object stays
+    ``FileNotFoundError``; a network or permission failure from any fsspec backend)."""
+    try:
+        yield
+    except (FormatError, ChangedWhileOpen):
+        raise
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", url) from exc
+    except OSError as exc:
+        raise OSError(exc.errno or errno.EIO, exc.strerror or str(exc), url) from exc
+    except Exception as exc:  # botocore, aiohttp, google-auth: whatever the backend raises
+        raise OSError(errno.EIO, f"object storage: {type(exc).__name__}: {exc}", url) from exc
+
+
+# --------------------------------------------------------------------------
+# reading objects
+# --------------------------------------------------------------------------
+
+
+def _info(url: Url, key: str) -> dict[str, Any] | None:
+    """The object (or prefix: ``type`` ``"directory"``) at ``key``; None where nothing is."""
+    url.fs.invalidate_cache(key)  # what another process wrote since: never a listing cached
+    try:
+        with _storage_errors(url.at(key)):
+            return dict(url.fs.info(key))
+    except FileNotFoundError:
+        return None
+
+
+def _stamp(info: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a new write of an object changes (``ETag`` where the store gives one)."""
+    tag = next((info[k] for k in ("ETag", "etag", "md5Hash", "generation") if k in info), None)
+    when = next((info[k] for k in ("LastModified", "mtime", "updated", "created") if k in info), 0)
+    return (info.get("size"), tag, str(when))
+
+
+def _fetch(url: Url, key: str, offset: int, out: memoryview, field: str) -> None:
+    """Fill ``out`` with the object's bytes at ``offset``: ranged GETs, several at once."""
+    n = len(out)
+    starts = list(range(offset, offset + n, _BLOCK)) or [offset]
+    fs = url.fs
+    for first in range(0, len(starts), _BLOCKS_AT_ONCE):
+        batch = starts[first : first + _BLOCKS_AT_ONCE]
+        ends = [min(s + _BLOCK, offset + n) for s in batch]
+        with _storage_errors(url.at(key)):
+            if len(batch) == 1:
+                parts = [fs.cat_file(key, start=batch[0], end=ends[0])]
+            else:
+                parts = fs.cat_ranges([key] * len(batch), batch, ends, on_error="raise")
+        for start, end, part in zip(batch, ends, parts, strict=True):
+            if len(part) != end - start:
+                raise FormatError(
+                    f"truncated while being read: wanted {end - start} bytes, got {len(part)} "
+                    "(replaced or shortened meanwhile?)",
+                    path=url.at(key),
+                    field=field,
+                    offset=start,
+                )
+            out[start - offset : end - offset] = part
+
+
+class RemoteSource(Closing, ByteSource):
+    """A `ByteSource` over one object, read by ranged GETs.
+
+    ``stamp``: the object's `_stamp` when opened; each read then checks that the object was
+    not replaced meanwhile (one HEAD).  None for a committed version's files, which are never
+    rewritten (a removed one is `ChangedWhileOpen`).
+    """
+
+    def __init__(self, url: Url, key: str, size: int, stamp: tuple[Any, ...] | None) -> None:
+        self.name = url.at(key)
+        self._url = url
+        self._key = key
+        self.size = size
+        self._stamp = stamp
+        self.bytes_read = 0
+
+    def read(self, offset: int, n: int, field: str) -> memoryview:
+        self._check_range(offset, n, field)
+        view = np.empty(n, dtype=np.uint8).data  # uninitialised: no zero-fill
+        self._fill(offset, view, field)
+        return view
+
+    def read_into(self, offset: int, out: memoryview, field: str) -> None:
+        self._check_range(offset, len(out), field)
+        self._fill(offset, out.cast("B"), field)
+
+    def read_scattered(self, offset: int, buffers: Sequence[memoryview], field: str) -> None:
+        """Fill ``buffers`` one after another from ``offset``: one ranged read of the span."""
+        n = sum(len(b) for b in buffers)
+        self._check_range(offset, n, field)
+        span = np.empty(n, dtype=np.uint8).data
+        self._fill(offset, span, field)
+        at = 0
+        for b in buffers:
+            b.cast("B")[:] = span[at : at + len(b)]
+            at += len(b)
+
+    def _fill(self, offset: int, out: memoryview, field: str) -> None:
+        try:
+            _fetch(self._url, self._key, offset, out, field)
+        except FileNotFoundError:
+            raise ChangedWhileOpen(
+                errno.ENOENT, "gone since the checkpoint was opened (a concurrent save?)", self.name
+            ) from None
+        if self._stamp is not None:
+            info = _info(self._url, self._key)
+            if info is None or _stamp(info) != self._stamp:
+                raise ChangedWhileOpen(
+                    errno.ESTALE, "replaced while it was read (a concurrent save?)", self.name
+                )
+        self.bytes_read += len(out)
+
+    def close(self) -> None:
+        pass  # no descriptors: each read is its own request
+
+
+def _object(url: Url, key: str) -> RemoteSource:
+    """The object at ``key``, checked on every read (a single object may be replaced)."""
+    info = _info(url, key)
+    if info is None:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", url.at(key))
+    if info.get("type") == "directory":
+        raise FormatError("is a directory, not a file", path=url.at(key))
+    return RemoteSource(url, key, int(info["size"]), _stamp(info))
+
+
+# --------------------------------------------------------------------------
+# versions and their commit objects
+# --------------------------------------------------------------------------
+
+
+def _parent(key: str) -> tuple[str, str]:
+    head, _, name = key.rstrip("/").rpartition("/")
+    return head, name
+
+
+def _names_of(anchor: str, directory: bool) -> tuple[str, str]:
+    """``(commit object key, prefix of version keys)`` of a directory or a linked set."""
+    if directory:
+        base = anchor.rstrip("/") + "/"
+        return base + _COMMIT, base + _VERSION_MARK
+    head, name = _parent(anchor)
+    base = f"{head}/.{name}"
+    return base + _COMMIT, base + _VERSION_MARK
+
+
+def _read_commit(url: Url, anchor: str, directory: bool) -> dict[str, Any] | None:
+    """The commit object of ``anchor`` (None if there is none), checked."""
+    commit_key, _ = _names_of(anchor, directory)
+    info = _info(url, commit_key)
+    if info is None or info.get("type") == "directory":
+        return None
+    where = url.at(commit_key)
+    if int(info["size"]) > MAX_COMMIT_BYTES:
+        raise FormatError(f"larger than {MAX_COMMIT_BYTES} bytes", path=where, field="commit")
+    try:
+        with _storage_errors(where):
+            raw = url.fs.cat_file(commit_key)
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"not a JSON document: {exc}", path=where, field="commit") from None
+    files = doc.get("files") if isinstance(doc, dict) else None
+    version = doc.get("version") if isinstance(doc, dict) else None
+    if (
+        not isinstance(files, dict)
+        or not isinstance(version, str)
+        or _VERSION.fullmatch(version) is None
+        or not all(_safe_name(n) and _entry_ok(e) for n, e in files.items())
+    ):
+        raise FormatError(
+            "not a pytreeio commit object (version, and files with sizes)",
+            path=where,
+            field="commit",
+        )
+    return doc
+
+
+def _safe_name(name: str) -> bool:
+    parts = name.split("/")
+    return bool(name) and all(p not in ("", ".", "..") for p in parts) and "\\" not in name
+
+
+def _entry_ok(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("size"), int)
+        and entry["size"] >= 0
+        and isinstance(entry.get("xxh3_64"), str)
+    )
+
+
+def _committed(url: Url, anchor: str, directory: bool) -> dict[str, tuple[str, int]] | None:
+    """``{name: (object key, size)}`` of the committed version, or None without a commit."""
+    doc = _read_commit(url, anchor, directory)
+    if doc is None:
+        return None
+    _, prefix = _names_of(anchor, directory)
+    base = f"{prefix}{doc['version']}/"
+    return {name: (base + name, e["size"]) for name, e in doc["files"].items()}
+
+
+def _plain_listing(url: Url, root: str) -> dict[str, tuple[str, int]]:
+    """``{relative path: (key, size)}`` of plain objects below ``root`` (pytreeio's own left out)."""
+    url.fs.invalidate_cache(root)
+    base = root.rstrip("/") + "/"
+    try:
+        with _storage_errors(url.at(root)):
+            found = url.fs.find(root, detail=True)
+    except FileNotFoundError:
+        return {}
+    out: dict[str, tuple[str, int]] = {}
+    for key, info in sorted(found.items()):
+        rel = key[len(base) :] if key.startswith(base) else None
+        if rel and info.get("type") == "file" and _VERSION_MARK not in rel:
+            out[rel] = (key, int(info.get("size") or 0))
+        if len(out) >= _MAX_NAMES:
+            break
+    return out
+
+
+def _directory_files(url: Url) -> dict[str, tuple[str, int]]:
+    committed = _committed(url, url.key, True)
+    return committed if committed is not None else _plain_listing(url, url.key)
+
+
+# --------------------------------------------------------------------------
+# probes and sources
+# --------------------------------------------------------------------------
+
+
+def _linked_keys(url: Url, layout: Siblings) -> tuple[dict[str, str], str | None]:
+    """``({role: key}, anchor)`` of a sibling layout's files at ``url`` (anchor: linked sets)."""
+    located = {r: Path(p).as_posix() for r, p in layout.locate(Path(url.key)).items()}
+    anchor = next((located[r] for r in layout.linked if r in located), None)
+    return located, anchor
+
+
+def probe(url: Url, layout: Layout, *, made: dict[Path, Probe] | None = None) -> Probe:
+    """`pytreeio.io.probe` of a URL (never raises for missing objects; bounded reads)."""
+    memo = {} if made is None else made
+    virtual: dict[str, str] = {}  # a linked role's name -> its committed object
+    if isinstance(layout, Siblings) and layout.linked:
+        located, anchor = _linked_keys(url, layout)
+        committed = _committed(url, anchor, False) if anchor else None
+        for role_key in located.values():
+            entry = (committed or {}).get(_parent(role_key)[1])
+            if entry is not None:
+                virtual[role_key] = entry[0]
+
+    def probe_file(p: Path) -> Probe:
+        real = Path(virtual.get(p.as_posix(), p.as_posix()))
+        found = memo.get(real)
+        if found is None:
+            found = memo[real] = _probe_object(url, real.as_posix())
+        return found if real == p else Probe(p, **_fields(found))
+
+    def probe_dir(p: Path) -> Probe:
+        files = _directory_files(url.at(p.as_posix()))
+        if not files:
+            return probe_file(p)
+
+        def head_of(name: str) -> bytes | None:
+            key, size = files[name]
+            with contextlib.suppress(OSError, FormatError):
+                return bytes(RemoteSource(url, key, size, None).read(0, min(_HEAD, size), "head"))
+            return None
+
+        return _listing_probe(p, list(files), head_of)
+
+    return _probe_with(Path(url.key), layout, probe_file, probe_dir)
+
+
+def _fields(probe: Probe) -> dict[str, Any]:
+    return {k: getattr(probe, k) for k in ("kind", "head", "size", "members", "names", "heads")}
+
+
+def _probe_object(url: Url, key: str) -> Probe:
+    p = Path(key)
+    try:
+        info = _info(url, key)
+    except OSError:
+        return Probe(p, kind="missing")
+    if info is None:
+        return Probe(p, kind="missing")
+    if info.get("type") == "directory":
+        return Probe(p, kind="dir")
+    try:
+        return _probe_source(p, RemoteSource(url, key, int(info["size"]), _stamp(info)))
+    except (OSError, FormatError):
+        return Probe(p, kind="file", size=int(info.get("size") or 0))
+
+
+class RemoteFiles(FileSet):
+    """A `pytreeio.io.FileSet` of objects: names -> keys, each read on access."""
+
+    def __init__(
+        self,
+        url: Url,
+        files: Mapping[str, tuple[str, int]],
+        *,
+        headers: bool,
+        root: str | None = None,
+        checked: bool = False,
+    ) -> None:
+        super().__init__({n: url.at(k) for n, (k, _) in files.items()}, headers=headers, root=root)
+        self._url = url
+        self._files = dict(files)
+        self._checked = checked
+
+    def _source(self, name: str) -> RemoteSource:
+        key, size = self._files[name]
+        if self._checked:  # plain objects: each may be replaced, so each read is checked
+            return _object(self._url, key)
+        return RemoteSource(self._url, key, size, None)
+
+    def __getitem__(self, name: str) -> Any:
+        src = self._source(name)
+        return src if self._headers else src.read(0, src.size, "file")
+
+    def ranges(self, name: str) -> RemoteSource:
+        return self._source(name)
+
+
+def open_source(url: Url, layout: Layout, *, mmap: bool = False, headers: bool = False) -> Any:
+    """`pytreeio.io.open_source` of a URL: an object's bytes (a `RemoteSource` with
+    ``headers``), or a `RemoteFiles` of a directory's or a sibling set's committed files.
+    ``mmap`` maps local files only: objects are always read into fresh memory."""
+    del mmap
+    if isinstance(layout, File):
+        src = _object(url, url.key)
+        return src if headers else src.read(0, src.size, "file")
+    if isinstance(layout, Directory):
+        files = _directory_files(url)
+        if not files:
+            info = _info(url, url.key)
+            if info is not None and info.get("type") != "directory":
+                raise FormatError("is a file, not a directory", path=url)
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", url)
+        root = url.rstrip("/") + "/"
+        return RemoteFiles(url, files, headers=headers, root=root, checked=False)
+    if isinstance(layout, Siblings):
+        return _open_siblings(url, layout, headers)
+    raise TypeError(f"unknown layout {layout!r}")
+
+
+def _open_siblings(url: Url, layout: Siblings, headers: bool) -> RemoteFiles:
+    located, anchor = _linked_keys(url, layout)
+    committed = _committed(url, anchor, False) if anchor else None
+    found: dict[str, tuple[str, int]] = {}
+    for role, key in located.items():
+        if committed is not None and role in layout.linked:
+            entry = committed.get(_parent(key)[1])
+            if entry is not None:
+                found[role] = entry
+            continue
+        info = _info(url, key)
+        if info is not None and info.get("type") != "directory":
+            found[role] = (key, int(info["size"]))
+    if not found:
+        listed = " and ".join(url.at(k) for k in located.values())
+        raise FileNotFoundError(
+            errno.ENOENT, f"No such file or directory (looked for {listed})", url
+        )
+    half = [r for r in layout.linked if r in located and r not in found]
+    if half and any(r in found for r in layout.linked):
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"No such file or directory: half a linked set (no {', '.join(half)})",
+            url,
+        )
+    return RemoteFiles(url, found, headers=headers, checked=committed is None)
+
+
+def identity(url: Url, layout: Layout) -> tuple[Any, ...]:
+    """What a save changes: the commit object (directories, linked sets) or the objects."""
+    try:
+        if isinstance(layout, Directory):
+            return (_read_commit(url, url.key, True),)
+        keys = [url.key]
+        if isinstance(layout, Siblings):
+            located, anchor = _linked_keys(url, layout)
+            if anchor is not None:
+                return (_read_commit(url, anchor, False),)
+            keys = list(located.values())
+        return tuple(_stamp(i) if (i := _info(url, k)) else None for k in keys)
+    except (OSError, FormatError):
+        return ()
+
+
+# --------------------------------------------------------------------------
+# writing
+# --------------------------------------------------------------------------
+
+
+def _put(url: Url, key: str, encoded: Encoded, digest: bool = False) -> dict[str, Any]:
+    """Write ``encoded`` as one object at ``key``: staged in a local temporary file (late
+    chunks are written at their offsets there), then uploaded whole.  Its size and, with
+    ``digest``, xxh3 checksum."""
+    with tempfile.NamedTemporaryFile(prefix="pytreeio-upload-") as tmp:
+        _write_chunks(tmp.fileno(), encoded.chunks)
+        size = os.fstat(tmp.fileno()).st_size
+        entry: dict[str, Any] = {"size": size, "xxh3_64": ""}
+        if digest:
+            import xxhash
+
+            h = xxhash.xxh3_64()
+            tmp.seek(0)
+            while block := tmp.read(_BLOCK):
+                h.update(block)
+            entry["xxh3_64"] = f"{h.intdigest():016x}"
+        with _storage_errors(url.at(key)):
+            url.fs.put_file(tmp.name, key)
+    return entry
+
+
+def _new_version() -> str:
+    t = time.time()
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}"
+    host = re.sub(r"[^A-Za-z0-9.]+", ".", socket.gethostname())[:64] or "host"
+    return f"{stamp}Z-{host}-{os.getpid()}-{os.urandom(4).hex()}"
+
+
+def _write_version(
+    url: Url, anchor: str, directory: bool, files: Mapping[str, Encoded], names: Mapping[str, str]
+) -> None:
+    """Write ``files`` (as ``names[file]``) as a new version of ``anchor``, commit it, tidy up."""
+    commit_key, prefix = _names_of(anchor, directory)
+    before = _read_commit_quietly(url, anchor, directory)
+    version = _new_version()
+    base = f"{prefix}{version}/"
+    entries: dict[str, Any] = {}
+    try:
+        for name, encoded in files.items():
+            entries[names[name]] = _put(url, base + names[name], encoded, digest=True)
+        doc = {"pytreeio_commit": 1, "version": version, "files": entries}
+        with _storage_errors(url.at(commit_key)):  # the commit point: one small PUT
+            url.fs.pipe_file(commit_key, json.dumps(doc, indent=1).encode())
+    except BaseException:
+        _remove(url, base)
+        raise
+    now = _read_commit_quietly(url, anchor, directory)
+    _tidy(url, prefix, keep=now["version"] if now else version, replaced=before, mine=version)
+
+
+def _read_commit_quietly(url: Url, anchor: str, directory: bool) -> dict[str, Any] | None:
+    try:
+        return _read_commit(url, anchor, directory)
+    except (OSError, FormatError):
+        return None
+
+
+def _tidy(url: Url, prefix: str, *, keep: str, replaced: dict[str, Any] | None, mine: str) -> None:
+    """Remove the versions of ``prefix`` that no save will commit (see the module docstring)."""
+    head, _ = _parent(prefix)
+    mark = prefix[len(head) + 1 :]
+    url.fs.invalidate_cache(head)
+    try:
+        entries = url.fs.ls(head, detail=False)
+    except Exception:  # nothing to tidy, or not listable: the next save tries again
+        return
+    here = socket.gethostname()
+    host = re.sub(r"[^A-Za-z0-9.]+", ".", here)[:64] or "host"
+    for entry in entries:
+        name = _parent(entry)[1]
+        if not name.startswith(mark):
+            continue
+        version = name[len(mark) :]
+        m = _VERSION.fullmatch(version)
+        if m is None or version == keep:
+            continue
+        if (
+            version == mine  # another saver's commit landed after ours
+            or (replaced is not None and version == replaced.get("version"))
+            or (m.group(2) == host and not _alive(int(m.group(3))))
+            or _age(m.group(1)) > STALE_AFTER
+        ):
+            _remove(url, f"{head}/{name}/")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def _age(stamp: str) -> float:
+    import calendar
+
+    whole, _, frac = stamp.partition(".")
+    started = calendar.timegm(time.strptime(whole, "%Y%m%dT%H%M%S")) + float(f"0.{frac}")
+    return time.time() - started
+
+
+def _remove(url: Url, prefix: str) -> None:
+    with contextlib.suppress(Exception):  # best effort: a later save removes what is left
+        url.fs.rm(prefix.rstrip("/"), recursive=True)
+
+
+def write_atomic(url: Url, encoded: Encoded, layout: Layout) -> None:
+    """`pytreeio.io.write_atomic` to a URL (see the module docstring for the protocol)."""
+    if isinstance(layout, File):
+        if encoded.files is not None:
+            raise TypeError("a single-file format returned a multi-file encoding")
+        _put(url, url.key, encoded)
+        return
+    if encoded.files is None:
+        raise TypeError("a multi-file format returned a single-file encoding")
+    if isinstance(layout, Directory):
+        for rel in encoded.files:
+            if not _safe_name(rel):
+                raise ValueError(f"{url}: the encoding names the file {rel!r}")
+        _write_version(url, url.key, True, encoded.files, {n: n for n in encoded.files})
+        return
+    if not isinstance(layout, Siblings):
+        raise TypeError(f"unknown layout {layout!r}")
+    located, anchor = _linked_keys(url, layout)
+    unknown = sorted(set(encoded.files) - set(located))
+    if unknown:
+        raise ValueError(f"the encoding has files for roles {unknown} that locate() lacks")
+    if anchor is None:
+        for role, enc in encoded.files.items():
+            _put(url, located[role], enc)
+        return
+    names = {role: _parent(located[role])[1] for role in encoded.files}
+    _write_version(url, anchor, False, encoded.files, names)
+
+
+def commit_record(
+    url: Url, layout: Layout
+) -> tuple[str, dict[str, tuple[int, str]], dict[str, str]] | None:
+    """``(commit object's URL, {name: (size, xxh3)}, {name: key})`` of the committed version
+    of a directory or linked set at ``url``; None for other layouts or without a commit."""
+    if isinstance(layout, Directory):
+        anchor, directory = url.key, True
+    elif isinstance(layout, Siblings) and (anchor_ := _linked_keys(url, layout)[1]):
+        anchor, directory = anchor_, False
+    else:
+        return None
+    doc = _read_commit(url, anchor, directory)
+    if doc is None:
+        return None
+    commit_key, prefix = _names_of(anchor, directory)
+    base = f"{prefix}{doc['version']}/"
+    recorded = {n: (e["size"], e["xxh3_64"]) for n, e in doc["files"].items()}
+    return url.at(commit_key), recorded, {n: base + n for n in recorded}
+
+
+def checksum(url: Url, key: str) -> tuple[int, str]:
+    """``(size, xxh3_64)`` of the object at ``key``, read in blocks (bounded memory)."""
+    import xxhash
+
+    src = _object(url, key)
+    h = xxhash.xxh3_64()
+    buf = np.empty(min(src.size, _BLOCK * _BLOCKS_AT_ONCE), dtype=np.uint8).data
+    for at in range(0, src.size, len(buf) or 1):
+        n = min(len(buf), src.size - at)
+        src.read_into(at, buf[:n], "file")
+        h.update(buf[:n])
+    return src.size, f"{h.intdigest():016x}"
