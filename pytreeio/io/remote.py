@@ -394,9 +394,12 @@ def probe(url: Url, layout: Layout, *, made: dict[Path, Probe] | None = None) ->
         return found if real == p else Probe(p, **_fields(found))
 
     def probe_dir(p: Path) -> Probe:
+        alone = probe_file(p)
+        if alone.kind == "file":  # an object is no directory: no listing needed
+            return alone
         files = _directory_files(url.at(p.as_posix()))
         if not files:
-            return probe_file(p)
+            return alone
 
         def head_of(name: str) -> bytes | None:
             key, size = files[name]
