@@ -321,3 +321,27 @@ def test_two_concurrent_savers_to_s3_never_leave_a_mix(
     fs, key = fsspec.core.url_to_fs(url, **s3_options)
     fs.invalidate_cache()
     assert len([p for p in fs.ls(key) if ".pytreeio-2" in p]) == 1
+
+
+def test_the_command_reads_s3_with_fsspec_environment_configuration(
+    s3_root: str, s3_options: dict[str, Any], s3_endpoint: str, tmp_path: Path
+) -> None:
+    url = s3_root + "/c/a.safetensors"
+    ptio.save(url, {"w": np.arange(4, dtype=np.float32)}, storage_options=s3_options)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "FSSPEC_S3_ENDPOINT_URL": s3_endpoint,  # fsspec's own configuration: no options passed
+        "FSSPEC_S3_KEY": "testing",
+        "FSSPEC_S3_SECRET": "testing",
+    }
+    run = [sys.executable, "-m", "pytreeio.cli"]
+    out = subprocess.run([*run, "inspect", url], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "w" in out.stdout and "float32" in out.stdout
+    dst = tmp_path / "a.msgpack"
+    out = subprocess.run(
+        [*run, "convert", url, str(dst), "--to", "msgpack"], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert np.array_equal(ptio.load(dst)["w"], np.arange(4, dtype=np.float32))
