@@ -221,15 +221,26 @@ class RemoteSource(Closing, ByteSource):
         self._fill(offset, out.cast("B"), field)
 
     def read_scattered(self, offset: int, buffers: Sequence[memoryview], field: str) -> None:
-        """Fill ``buffers`` one after another from ``offset``: one ranged read of the span."""
-        n = sum(len(b) for b in buffers)
-        self._check_range(offset, n, field)
-        span = np.empty(n, dtype=np.uint8).data
-        self._fill(offset, span, field)
-        at = 0
-        for b in buffers:
-            b.cast("B")[:] = span[at : at + len(b)]
-            at += len(b)
+        """Fill ``buffers`` one after another from ``offset``: small neighbours share one
+        ranged read (through a buffer of at most `_BLOCK` bytes), large ones are read into."""
+        self._check_range(offset, sum(len(b) for b in buffers), field)
+        at, k = offset, 0
+        while k < len(buffers):
+            group, n = [buffers[k]], len(buffers[k])
+            while k + len(group) < len(buffers) and n + len(buffers[k + len(group)]) <= _BLOCK:
+                n += len(buffers[k + len(group)])
+                group.append(buffers[k + len(group)])
+            if len(group) == 1:
+                self._fill(at, group[0].cast("B"), field)
+            else:
+                span = np.empty(n, dtype=np.uint8).data
+                self._fill(at, span, field)
+                pos = 0
+                for b in group:
+                    b.cast("B")[:] = span[pos : pos + len(b)]
+                    pos += len(b)
+            at += n
+            k += len(group)
 
     def _fill(self, offset: int, out: memoryview, field: str) -> None:
         try:
