@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from pytreeio import api
+from pytreeio import api, io
 from pytreeio.core.calls import keywords_explained
 from pytreeio.core.errors import MismatchError, PytreeioError
 from pytreeio.core.records import Format
@@ -621,6 +621,7 @@ def diff(
     atol: float = 0.0,
     rtol: float = 0.0,
     through_model: bool | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> DiffReport:
     """Compare the checkpoints at ``a`` and ``b`` (see the module docstring).
 
@@ -631,6 +632,7 @@ def diff(
         with both 0 (the default) entries must be bit-identical.
       through_model: compare through the common model form (True), as native
         trees (False), or decide from the formats (None, the default).
+      storage_options: the file system options of ``a`` and ``b`` where they are URLs.
 
     Returns:
       a `DiffReport`; ``report.ok`` is what the command's exit status says.
@@ -641,6 +643,7 @@ def diff(
     """
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise ValueError(f"tolerances must be non-negative numbers, got atol={atol}, rtol={rtol}")
+    a, b = (io.location(p, storage_options if io.is_url(p) else None) for p in (a, b))
     fa, fb = _format_of(a, format_a), _format_of(b, format_b)
     native_a, meta_a = api.load_with_meta(a, format=fa, mmap=True)
     native_b, meta_b = api.load_with_meta(b, format=fb, mmap=True)

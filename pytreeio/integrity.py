@@ -155,6 +155,11 @@ def write_manifest(path: str | os.PathLike[str], format: Any = None) -> Path:
     """
     from pytreeio.core.records import Encoded
 
+    if io.is_url(path):
+        raise TypeError(
+            f"{path}: manifests are for local checkpoints; in object storage a directory's "
+            "commit object records every file's size and checksum (ptio.verify checks them)"
+        )
     p = Path(path)
     fmt = _layout_of(p, format)
     where, _, files = _members(p, fmt)

@@ -345,3 +345,17 @@ def test_the_command_reads_s3_with_fsspec_environment_configuration(
     )
     assert out.returncode == 0, out.stderr
     assert np.array_equal(ptio.load(dst)["w"], np.arange(4, dtype=np.float32))
+
+
+def test_diff_compares_a_remote_and_a_local_checkpoint(mem: str, tmp_path: Path) -> None:
+    from pytreeio.diff import diff
+    from pytreeio.integrity import write_manifest
+
+    tree = {"a": np.arange(6, dtype=np.float32)}
+    ptio.save(mem + "/a.safetensors", tree)
+    ptio.save(tmp_path / "a.msgpack", tree)
+    assert diff(mem + "/a.safetensors", tmp_path / "a.msgpack").ok
+    ptio.save(tmp_path / "b.msgpack", {"a": tree["a"] + 1})
+    assert not diff(mem + "/a.safetensors", tmp_path / "b.msgpack").ok
+    with pytest.raises(TypeError, match="commit object"):
+        write_manifest(mem + "/a.safetensors")
