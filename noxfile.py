@@ -52,9 +52,18 @@ def bench(session: nox.Session) -> None:
     reads of the same bytes; prints a markdown table with PASS/MISS per target and writes
     tests/bench/results/latest.json and latest.md. Arguments go to the suite
     (``nox -s bench -- --size 64 --only msgpack --old ../pytreeio-old``).
+
+    Without arguments the object-storage benchmark follows (tests/bench/bench_cloud.py:
+    saves, loads and lazy reads at s3:// URLs on a local moto server, against s3fs moving
+    the same bytes); ``nox -s bench -- cloud --mb 16 --repeats 1`` runs only that one.
     """
     session.install("-e", ".[bench]")
+    if session.posargs[:1] == ["cloud"]:
+        session.run("python", "tests/bench/bench_cloud.py", *session.posargs[1:])
+        return
     session.run("python", "tests/bench/bench_all.py", *session.posargs)
+    if not session.posargs:
+        session.run("python", "tests/bench/bench_cloud.py")
 
 
 @nox.session(python=PYTHON)

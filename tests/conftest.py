@@ -14,6 +14,7 @@ import hypothesis.strategies as st
 import ml_dtypes
 import numpy as np
 import pytest
+from cloud_server import _moto_server, s3_endpoint, s3_options, s3_root  # noqa: F401 (S3 fixtures)
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(

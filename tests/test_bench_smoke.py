@@ -68,3 +68,29 @@ def test_quick_run_writes_json_and_markdown(bench_all, tmp_path: Path) -> None: 
     assert "| msgpack | file | warm |" in md
     assert results["config"] == data["config"]
     assert not any(tmp_path.glob("pytreeio-bench-*")), "the work directory was left behind"
+
+
+def test_cloud_smoke_run(tmp_path: Path) -> None:
+    """bench_cloud.py on a 2 MB tree: every format saved and loaded at s3:// URLs on its own
+    moto server, against s3fs, and one tensor read through ``ptio.open``."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_cloud
+    finally:
+        sys.path.remove(str(BENCH))
+    out = bench_cloud.main(["--mb", "2", "--repeats", "1", "--dir", str(tmp_path)])
+    assert not out["errors"], out["errors"]
+    assert {(r["case"], r["op"]) for r in out["transfers"]} == {
+        (f, op) for f in ("safetensors", "msgpack", "waffe2") for op in ("save", "load")
+    }
+    for row in out["transfers"]:
+        assert row["raw"] and row["pytreeio"] and row["objects"] >= row["raw_objects"]
+    assert {r["case"] for r in out["opens"]} == {"safetensors", "msgpack"}
+    for row in out["opens"]:
+        assert all("error" not in row[s] and row[s]["seconds"] for s in ("local", "s3", "raw"))
+        assert row["s3"]["gets"] >= 1 and row["s3"]["moved"] >= row["nbytes"]
+    for heading in ("### Saves and loads at s3:// URLs", "### One tensor through `ptio.open`"):
+        assert heading in out["markdown"]
+    assert not any(tmp_path.glob("pytreeio-bench-cloud-*")), "the work directory was left behind"
