@@ -86,8 +86,9 @@ def test_inspect_and_open_fetch_only_the_ranges_they_need(mem: str) -> None:
     CountingFS.fetched.clear()
     info = ptio.inspect(url)
     assert sorted(e.name for e in info.entries) == sorted(tree)
-    header = sum(n for _, n in CountingFS.fetched)
-    assert header < 8192, CountingFS.fetched  # a 4 KiB sniff and the header: no tensor data
+    fetched = sum(n for _, n in CountingFS.fetched)
+    # a 4 KiB sniff and one 64 KiB window holding the header: no tensor data
+    assert fetched <= 4096 + (64 << 10), CountingFS.fetched
 
     CountingFS.fetched.clear()
     with ptio.open(url) as ck:
@@ -114,13 +115,14 @@ def test_whole_load_fetches_in_blocks(mem: str, monkeypatch: pytest.MonkeyPatch)
 
 def test_an_object_replaced_while_a_lazy_view_reads_it_is_changed_while_open(mem: str) -> None:
     url = mem + "/r.safetensors"
-    ptio.save(url, {"a": np.zeros(8, np.float32), "b": np.zeros(8, np.float32)})
+    n = 1 << 16  # tensors beyond the window that the header was read through
+    ptio.save(url, {"a": np.zeros(n, np.float32), "b": np.zeros(n, np.float32)})
     with ptio.open(url) as ck:
         time.sleep(0.01)  # memory:// stamps objects by creation time
-        ptio.save(url, {"a": np.ones(8, np.float32), "b": np.ones(8, np.float32)})
+        ptio.save(url, {"a": np.ones(n, np.float32), "b": np.ones(n, np.float32)})
         with pytest.raises(ptio.ChangedWhileOpen, match="replaced while it was read"):
             ck["a"]
-    assert np.array_equal(ptio.load(url)["a"], np.ones(8, np.float32))
+    assert np.array_equal(ptio.load(url)["a"], np.ones(n, np.float32))
 
 
 # --------------------------------------------------------------------------

@@ -63,9 +63,14 @@ _VERSION = re.compile(r"(\d{8}T\d{6}\.\d{6})Z-(.+)-(\d+)-([0-9a-f]{8})")
 STALE_AFTER = 24 * 3600.0
 #: The largest commit object read (a directory of 10,000 files takes about 1 MB).
 MAX_COMMIT_BYTES = 16 << 20
-# Whole objects are fetched in blocks this large, this many at once (ranged GETs in parallel).
+# Whole objects are fetched in ranged GETs of 16 to 64 MiB, eight at once (at most 512 MiB in
+# flight beside the result): a stored object costs a request each, so fewer, larger ranges.
 _BLOCK = 16 << 20
+_MAX_BLOCK = 64 << 20
 _BLOCKS_AT_ONCE = 8
+#: A small read (a header field) fetches this much from its offset on, and the reads that
+#: follow within it are served from that window: headers are parsed in many small reads.
+_WINDOW = 64 << 10
 
 
 class Url(str):
@@ -172,11 +177,12 @@ def _stamp(info: Mapping[str, Any]) -> tuple[Any, ...]:
 def _fetch(url: Url, key: str, offset: int, out: memoryview, field: str) -> None:
     """Fill ``out`` with the object's bytes at ``offset``: ranged GETs, several at once."""
     n = len(out)
-    starts = list(range(offset, offset + n, _BLOCK)) or [offset]
+    block = min(_MAX_BLOCK, max(_BLOCK, -(-n // _BLOCKS_AT_ONCE)))
+    starts = list(range(offset, offset + n, block)) or [offset]
     fs = url.fs
     for first in range(0, len(starts), _BLOCKS_AT_ONCE):
         batch = starts[first : first + _BLOCKS_AT_ONCE]
-        ends = [min(s + _BLOCK, offset + n) for s in batch]
+        ends = [min(s + block, offset + n) for s in batch]
         with _storage_errors(url.at(key)):
             if len(batch) == 1:
                 parts = [fs.cat_file(key, start=batch[0], end=ends[0])]
@@ -197,17 +203,31 @@ def _fetch(url: Url, key: str, offset: int, out: memoryview, field: str) -> None
 class RemoteSource(Closing, ByteSource):
     """A `ByteSource` over one object, read by ranged GETs.
 
+    A read smaller than ``window`` fetches ``window`` bytes from its offset, and serves the
+    reads that follow within them (a header parsed field by field costs one request).
+
     ``stamp``: the object's `_stamp` when opened; each read then checks that the object was
     not replaced meanwhile (one HEAD).  None for a committed version's files, which are never
     rewritten (a removed one is `ChangedWhileOpen`).
     """
 
-    def __init__(self, url: Url, key: str, size: int, stamp: tuple[Any, ...] | None) -> None:
+    def __init__(
+        self,
+        url: Url,
+        key: str,
+        size: int,
+        stamp: tuple[Any, ...] | None,
+        *,
+        window: int = _WINDOW,
+    ) -> None:
         self.name = url.at(key)
         self._url = url
         self._key = key
         self.size = size
         self._stamp = stamp
+        self._window = memoryview(b"")
+        self._window_at = 0
+        self._window_size = window
         self.bytes_read = 0
 
     def read(self, offset: int, n: int, field: str) -> memoryview:
@@ -243,6 +263,20 @@ class RemoteSource(Closing, ByteSource):
             k += len(group)
 
     def _fill(self, offset: int, out: memoryview, field: str) -> None:
+        n = len(out)
+        if n < self._window_size:
+            at = offset - self._window_at
+            if not (at >= 0 and at + n <= len(self._window)):
+                self._window_at, at = offset, 0
+                self._window = np.empty(min(self._window_size, self.size - offset), np.uint8).data
+                self._fetch(offset, self._window, field)
+            out[:] = self._window[at : at + n]
+            self.bytes_read += n
+            return
+        self._fetch(offset, out, field)
+        self.bytes_read += n
+
+    def _fetch(self, offset: int, out: memoryview, field: str) -> None:
         try:
             _fetch(self._url, self._key, offset, out, field)
         except FileNotFoundError:
@@ -255,7 +289,6 @@ class RemoteSource(Closing, ByteSource):
                 raise ChangedWhileOpen(
                     errno.ESTALE, "replaced while it was read (a concurrent save?)", self.name
                 )
-        self.bytes_read += len(out)
 
     def close(self) -> None:
         pass  # no descriptors: each read is its own request
@@ -438,7 +471,8 @@ def _probe_object(url: Url, key: str) -> Probe:
     if info.get("type") == "directory":
         return Probe(p, kind="dir")
     try:
-        return _probe_source(p, RemoteSource(url, key, int(info["size"]), _stamp(info)))
+        source = RemoteSource(url, key, int(info["size"]), _stamp(info), window=0)
+        return _probe_source(p, source)
     except (OSError, FormatError):
         return Probe(p, kind="file", size=int(info.get("size") or 0))
 
@@ -545,25 +579,42 @@ def identity(url: Url, layout: Layout) -> tuple[Any, ...]:
 # --------------------------------------------------------------------------
 
 
-def _put(url: Url, key: str, encoded: Encoded, digest: bool = False) -> dict[str, Any]:
-    """Write ``encoded`` as one object at ``key``: staged in a local temporary file (late
-    chunks are written at their offsets there), then uploaded whole.  Its size and, with
-    ``digest``, xxh3 checksum."""
-    with tempfile.NamedTemporaryFile(prefix="pytreeio-upload-") as tmp:
-        _write_chunks(tmp.fileno(), encoded.chunks)
-        size = os.fstat(tmp.fileno()).st_size
-        entry: dict[str, Any] = {"size": size, "xxh3_64": ""}
+def _stage(path: str, encoded: Encoded, digest: bool) -> dict[str, Any]:
+    """Write ``encoded`` to the local file ``path`` (late chunks at their offsets); its size
+    and, with ``digest``, xxh3 checksum."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        _write_chunks(fd, encoded.chunks)
+        entry: dict[str, Any] = {"size": os.fstat(fd).st_size, "xxh3_64": ""}
         if digest:
             import xxhash
 
             h = xxhash.xxh3_64()
-            tmp.seek(0)
-            while block := tmp.read(_BLOCK):
-                h.update(block)
+            buf = bytearray(_BLOCK)
+            with os.fdopen(os.dup(fd), "rb") as f:
+                f.seek(0)
+                while n := f.readinto(buf):
+                    h.update(memoryview(buf)[:n])
             entry["xxh3_64"] = f"{h.intdigest():016x}"
-        with _storage_errors(url.at(key)):
-            url.fs.put_file(tmp.name, key)
+    finally:
+        os.close(fd)
     return entry
+
+
+def _put(url: Url, items: Mapping[str, Encoded], digest: bool = False) -> dict[str, Any]:
+    """Write each ``{key: encoded}`` as one object: staged in a local temporary directory,
+    then uploaded, all at once (the store publishes each object whole when its upload
+    completes).  ``{key: entry}``: sizes and, with ``digest``, checksums."""
+    with tempfile.TemporaryDirectory(prefix="pytreeio-upload-") as staging:
+        local = {key: os.path.join(staging, str(i)) for i, key in enumerate(items)}
+        entries = {key: _stage(local[key], enc, digest) for key, enc in items.items()}
+        keys = list(items)
+        with _storage_errors(url.at(keys[0]) if len(keys) == 1 else url):
+            if len(keys) == 1:
+                url.fs.put_file(local[keys[0]], keys[0])
+            elif keys:
+                url.fs.put([local[k] for k in keys], keys)
+    return entries
 
 
 def _new_version() -> str:
@@ -581,10 +632,9 @@ def _write_version(
     before = _read_commit_quietly(url, anchor, directory)
     version = _new_version()
     base = f"{prefix}{version}/"
-    entries: dict[str, Any] = {}
     try:
-        for name, encoded in files.items():
-            entries[names[name]] = _put(url, base + names[name], encoded, digest=True)
+        put = _put(url, {base + names[n]: enc for n, enc in files.items()}, digest=True)
+        entries = {names[n]: put[base + names[n]] for n in files}
         doc = {"pytreeio_commit": 1, "version": version, "files": entries}
         with _storage_errors(url.at(commit_key)):  # the commit point: one small PUT
             url.fs.pipe_file(commit_key, json.dumps(doc, indent=1).encode())
@@ -660,7 +710,7 @@ def write_atomic(url: Url, encoded: Encoded, layout: Layout) -> None:
     if isinstance(layout, File):
         if encoded.files is not None:
             raise TypeError("a single-file format returned a multi-file encoding")
-        _put(url, url.key, encoded)
+        _put(url, {url.key: encoded})
         return
     if encoded.files is None:
         raise TypeError("a multi-file format returned a single-file encoding")
@@ -676,9 +726,8 @@ def write_atomic(url: Url, encoded: Encoded, layout: Layout) -> None:
     unknown = sorted(set(encoded.files) - set(located))
     if unknown:
         raise ValueError(f"the encoding has files for roles {unknown} that locate() lacks")
-    if anchor is None:
-        for role, enc in encoded.files.items():
-            _put(url, located[role], enc)
+    if anchor is None:  # files of their own, each replaced whole (as on a local disk)
+        _put(url, {located[role]: enc for role, enc in encoded.files.items()})
         return
     names = {role: _parent(located[role])[1] for role in encoded.files}
     _write_version(url, anchor, False, encoded.files, names)
