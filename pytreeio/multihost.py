@@ -19,6 +19,11 @@ held there, and refused otherwise.  The processes talk through a
 process); `JaxCoordinator` uses ``jax.distributed``, tests pass
 threads (`thread_group`).
 
+`prepare_in_parts` (encode, agree on the layout) and `PartsSave.write` are
+the two halves of `save_in_parts`, for a caller that writes later on another
+thread (the orbax handler, in orbax's background commit): with ``snapshot``
+the first copies what this process will write to host memory of its own.
+
 jax is imported only by the functions that need it.
 """
 
@@ -26,11 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -39,12 +45,22 @@ from pytreeio.core.binary import Deferred
 from pytreeio.core.calls import keywords_explained
 from pytreeio.core.errors import EncodeError, PytreeioError
 from pytreeio.core.records import Encoded
-from pytreeio.core.shards import ADDRESSABLE, IN_PARTS, ShardChunk, ShardedLeaf, c_runs, host_array
+from pytreeio.core.shards import (
+    ADDRESSABLE,
+    IN_PARTS,
+    Region,
+    ShardChunk,
+    ShardedLeaf,
+    c_runs,
+    host_array,
+)
 
 __all__ = [
     "Coordinator",
     "JaxCoordinator",
     "PartsError",
+    "PartsSave",
+    "prepare_in_parts",
     "save_in_parts",
     "thread_group",
 ]
@@ -182,6 +198,8 @@ class _Plan:
     plain: list[tuple[int, Any]]  # written by the primary
     parts: list[tuple[int, ShardChunk]]  # sharded bytes: written by the processes holding them
     late: list[tuple[int, Deferred]]  # headers written last (checksums of the data)
+    #: host copies of this process's blocks, by leaf (`snapshot`); None: taken while writing
+    held: dict[int, list[tuple[Region, np.ndarray]]] | None = None
 
     def digest(self) -> str:
         """What every process must agree on: the size and where each sharded leaf's bytes go."""
@@ -192,6 +210,40 @@ class _Plan:
         for off, d in self.late:
             h.update(f"late {off}:{d.nbytes};".encode())
         return h.hexdigest()
+
+    def leaves(self) -> list[tuple[ShardedLeaf, list[tuple[int, int, int]]]]:
+        """Each sharded leaf, in file order, with its segments ``(start, stop, file offset)``."""
+        out: dict[int, tuple[ShardedLeaf, list[tuple[int, int, int]]]] = {}
+        for off, c in self.parts:
+            out.setdefault(id(c.leaf), (c.leaf, []))[1].append((c.start, c.stop, off))
+        return list(out.values())
+
+    def snapshot(self, primary: bool) -> None:
+        """Copy what this process writes to host memory of its own: the tree may change after.
+
+        Its blocks (every device-to-host transfer started before the first is
+        awaited; a CPU shard's host view is its device buffer, which a donation
+        may reuse, so it is copied) and, on the primary, the plain chunks.
+        """
+        from pytreeio.core.binary import as_memoryview
+
+        leaves = [leaf for leaf, _ in self.leaves()]
+        for leaf in leaves:
+            for _, shard in leaf.local_pieces():
+                shard.data.copy_to_host_async()
+        self.held = {
+            id(leaf): [(r, _private(host_array(s.data), s.device)) for r, s in leaf.local_pieces()]
+            for leaf in leaves
+        }
+        # (the others never write the plain chunks: no reference to the tree is kept)
+        self.plain = [
+            (off, bytes(as_memoryview(c.produce() if isinstance(c, Deferred) else c)))
+            for off, c in (self.plain if primary else [])
+        ]
+
+
+def _private(host: np.ndarray, device: Any) -> np.ndarray:
+    return host.copy() if device.platform == "cpu" else host
 
 
 def _plan(encoded: Encoded) -> _Plan:
@@ -218,7 +270,15 @@ def _agree(
     Returns every process's ``payload`` (sent only by processes that did not fail).
     """
     mine = f"ok {payload}" if error is None else f"error {type(error).__name__}: {error}"
-    said = coord.exchange(tag, mine)
+    try:
+        said = coord.exchange(tag, mine)
+    except Exception as exc:  # a process died or hangs: the coordinator timed out
+        own = "" if error is None else f"; this process: {type(error).__name__}: {error}"
+        raise PartsError(
+            f"a save in parts failed ({tag}): the processes could not exchange "
+            f"({type(exc).__name__}: {exc}){own}",
+            path=path,
+        ) from exc
     failed = [(i, m) for i, m in enumerate(said) if not m.startswith("ok ")]
     if failed:
         if error is not None and not isinstance(error, Exception):
@@ -230,25 +290,23 @@ def _agree(
 
 def _write_own_shards(out: Any, plan: _Plan) -> int:
     """Write the blocks this process holds into their byte ranges; returns bytes written."""
-    segments: dict[int, list[tuple[int, int, int]]] = {}  # leaf -> (start, stop, file offset)
-    leaves: dict[int, ShardedLeaf] = {}
-    for off, c in plan.parts:
-        segments.setdefault(id(c.leaf), []).append((c.start, c.stop, off))
-        leaves[id(c.leaf)] = c.leaf
-    order = list(leaves)
+    leaves = plan.leaves()
     written = 0
 
     def start_copies(i: int) -> None:
-        if i < len(order):
-            for _, shard in leaves[order[i]].local_pieces():
+        if plan.held is None and i < len(leaves):
+            for _, shard in leaves[i][0].local_pieces():
                 shard.data.copy_to_host_async()
 
     start_copies(0)
-    for i, lid in enumerate(order):
+    for i, (leaf, segs) in enumerate(leaves):
         start_copies(i + 1)  # the next leaf's transfers overlap this leaf's writes
-        leaf, segs = leaves[lid], segments[lid]
-        for region, shard in leaf.local_pieces():
-            host = host_array(shard.data).reshape(-1).view(np.uint8)
+        if plan.held is not None:
+            pieces = plan.held[id(leaf)]
+        else:
+            pieces = [(r, host_array(s.data)) for r, s in leaf.local_pieces()]
+        for region, arr in pieces:
+            host = arr.reshape(-1).view(np.uint8)
             offsets, run = c_runs(leaf.shape, leaf.dtype.itemsize, region)
             for j, off in enumerate(offsets.tolist()):
                 for s0, s1, file_off in segs:
@@ -257,7 +315,7 @@ def _write_own_shards(out: Any, plan: _Plan) -> int:
                         src = host[j * run + (lo - off) : j * run + (hi - off)]
                         out.write_at(file_off + (lo - s0), src.data)
                         written += hi - lo
-            del host
+        del pieces
     return written
 
 
@@ -304,13 +362,37 @@ def save_in_parts(
     returns when the checkpoint is in place, or raises `PartsError`
     naming the process that failed (the destination keeps its old content).
     """
-    from pytreeio import io
+    prepare_in_parts(
+        path, tree, format=format, coordinator=coordinator, meta=meta, durable=durable, **options
+    ).write()
+
+
+@keywords_explained
+def prepare_in_parts(
+    path: str | os.PathLike[str],
+    tree: Any,
+    *,
+    format: str | Any = None,
+    coordinator: Coordinator | None = None,
+    meta: Any = None,
+    durable: bool = True,
+    snapshot: bool = False,
+    **options: Any,
+) -> PartsSave:
+    """The first half of `save_in_parts`: encode, and agree on the layout; `PartsSave.write` writes.
+
+    For a caller that writes later, on another thread (the orbax handler):
+    ``snapshot`` copies to host memory now the bytes this process will write
+    (its shards; on the primary the rest of the file too), so the tree may
+    change or be donated once this returns; the formats written whole by the
+    primary take no snapshot (``EncodeError``).  Errors are agreed as in
+    `save_in_parts`: every process raises `PartsError` or none does.
+    """
     from pytreeio.core.records import File
     from pytreeio.engine import dispatch
 
     coord = coordinator if coordinator is not None else default_coordinator()
     where = os.fspath(path)
-    primary = coord.process_index == 0
     plan: _Plan | None = None
     error: BaseException | None = None
     fmt = None
@@ -328,65 +410,101 @@ def save_in_parts(
                     f"format {fmt.name!r} cannot be written in parts, and the tree holds arrays "
                     "whose shards lie in other processes"
                 )
+            if snapshot:
+                raise EncodeError(f"format {fmt.name!r} is written whole: no snapshot in parts")
         else:
             plan = _plan(encoded)
+            if snapshot:
+                plan.snapshot(coord.process_index == 0)
     except BaseException as exc:
         error = exc
-    _agree(coord, "encode", error, where)
-
-    if plan is None:  # a format written whole: the primary writes, the others wait
-        assert fmt is not None
-        error = None
-        if primary:
-            try:
-                dispatch.save_tree(path, fmt, tree, meta, options, durable=durable)
-            except BaseException as exc:
-                error = exc
-        _agree(coord, "write", error, where)
-        return
-
-    layouts = coord.exchange("layout", plan.digest())
+    # every process learns of any failure, and sends its layout (all must be the same)
+    layouts = _agree(coord, "encode", error, where, plan.digest() if plan is not None else "")
     if len(set(layouts)) != 1:
         raise PartsError(
             "the processes encode different layouts (trees or options differ): "
-            + ", ".join(f"process {i}: {d[:12]}" for i, d in enumerate(layouts)),
+            + ", ".join(f"process {i}: {d[:12] or 'whole'}" for i, d in enumerate(layouts)),
             path=where,
         )
-    with contextlib.ExitStack() as stack:
-        tmp = ""
-        error = None
-        if primary:
-            try:
-                tmp = os.fspath(stack.enter_context(io.file_in_parts(path, plan.size, durable)))
-            except BaseException as exc:
-                error = exc
-        tmp = _agree(coord, "create", error, where, tmp)[0]
-        error = None
-        try:
-            out = io.PartWriter(tmp)
-            try:
-                _write_own_shards(out, plan)
-                if primary:
-                    _write_plain(out, plan)
-            finally:
-                # (the primary's fsync at commit covers its own writes)
-                out.close(durable=durable and not primary)
-        except BaseException as exc:
-            error = exc
-        try:
+    assert fmt is not None
+    whole = None
+    if plan is None:
+        whole = functools.partial(dispatch.save_tree, path, fmt, tree, meta, options)
+    return PartsSave(path, coord, durable, plan, whole)
+
+
+@dataclasses.dataclass
+class PartsSave:
+    """A save in parts encoded by every process, on a layout they agree on (`prepare_in_parts`)."""
+
+    path: str | os.PathLike[str]
+    coordinator: Coordinator
+    durable: bool
+    plan: _Plan | None  # None: a format written whole, by the primary (`whole`)
+    whole: Callable[..., None] | None
+
+    def write(self, *, finish: Callable[[], None] | None = None) -> None:
+        """Write this process's parts and put the checkpoint in place; call it in every process.
+
+        ``finish``: run by the primary once the checkpoint is in place, before
+        the processes agree that the save succeeded (so its failure, too,
+        makes every process raise).
+        """
+        from pytreeio import io
+
+        coord, plan, where = self.coordinator, self.plan, os.fspath(self.path)
+        primary = coord.process_index == 0
+        error: BaseException | None = None
+        if plan is None:  # a format written whole: the primary writes, the others wait
+            assert self.whole is not None
+            if primary:
+                try:
+                    self.whole(durable=self.durable)
+                    if finish is not None:
+                        finish()
+                except BaseException as exc:
+                    error = exc
             _agree(coord, "write", error, where)
-        except BaseException:
-            stack.close()  # the primary drops the temporary: the old checkpoint stays
-            raise
-        error = None
-        if primary:
+            return
+        with contextlib.ExitStack() as stack:
+            tmp = ""
+            if primary:
+                try:
+                    tmp = os.fspath(
+                        stack.enter_context(io.file_in_parts(self.path, plan.size, self.durable))
+                    )
+                except BaseException as exc:
+                    error = exc
+            tmp = _agree(coord, "create", error, where, tmp)[0]
+            error = None
             try:
-                with io.PartWriter(tmp) as out:
-                    _finish_late(out, plan)
-                stack.close()  # fsync and rename over the destination
+                out = io.PartWriter(tmp)
+                try:
+                    _write_own_shards(out, plan)
+                    if primary:
+                        _write_plain(out, plan)
+                finally:
+                    # (the primary's fsync at commit covers its own writes)
+                    out.close(durable=self.durable and not primary)
             except BaseException as exc:
                 error = exc
-        _agree(coord, "commit", error, where)
+            plan.held = None  # the snapshot is written: let it go
+            try:
+                _agree(coord, "write", error, where)
+            except BaseException:
+                stack.close()  # the primary drops the temporary: the old checkpoint stays
+                raise
+            error = None
+            if primary:
+                try:
+                    with io.PartWriter(tmp) as out:
+                        _finish_late(out, plan)
+                    stack.close()  # fsync and rename over the destination
+                    if finish is not None:
+                        finish()
+                except BaseException as exc:
+                    error = exc
+            _agree(coord, "commit", error, where)
 
 
 def _holds_foreign_shards(tree: Any) -> bool:

@@ -38,12 +38,28 @@ option the format does not take) is raised through orbax's commit, like a
 write error: from ``wait_until_finished()`` (or the next ``save``) with async
 checkpointing, from ``save`` without; the step is not committed.
 
-The metadata's ``layout`` field is where a sharded save will plug in: a
-``"single"`` item is one checkpoint written by the primary process from
-fully addressable arrays; another layout (one file per process, say) gets
-its own value and writer, and restore refuses layouts it does not know.
-Arrays sharded across processes are refused with an ``EncodeError`` until
-then.  Writing needs a local (POSIX) file system, as pytreeio's io does.
+An item of fully addressable arrays is written by the primary process
+alone.  An item holding arrays sharded across the processes of a job is
+written by every process into the one checkpoint file
+(`pytreeio.multihost.prepare_in_parts`): on the caller's thread every process
+encodes the tree, copies the shards it writes (replica 0 of each block) to
+host memory, and the processes agree on the file's layout; in the commit
+each writes its shards and process 0 the rest, the safetensors
+checksums and ``pytreeio.json``.  The processes talk through
+`OrbaxCoordinator` (orbax's signalling: the ``jax.distributed`` key-value
+store and barriers, no device collectives, so the commit thread may use it
+while the training loop runs its own).  A failure in any process raises
+`pytreeio.multihost.PartsError` in every process, where any save error is
+raised, and orbax commits no step.  The file is byte for byte what one
+process writes of the gathered arrays.  Restoring onto
+``jax.ShapeDtypeStruct`` leaves with a sharding reads in each process the
+slices its devices hold (see `pytreeio.load`).
+
+The metadata's ``layout`` field: a ``"single"`` item is one checkpoint,
+written by the primary or in parts (the bytes are the same); another layout
+(one file per process, say) gets its own value and writer, and restore
+refuses layouts it does not know.  Writing needs a local (POSIX) file
+system, as pytreeio's io does.
 
 This module imports orbax; ``import pytreeio`` does not import it.
 """
@@ -52,18 +68,20 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
+import itertools
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
 from orbax.checkpoint import future as ocp_future
 
-from pytreeio import api, async_save, io
-from pytreeio.core.errors import EncodeError, FormatError
+from pytreeio import api, async_save, io, multihost
+from pytreeio.core.errors import FormatError
 from pytreeio.core.jsonsafe import loads as json_loads
 from pytreeio.core.records import Encoded, Format, Info
 from pytreeio.engine import dispatch
@@ -71,6 +89,7 @@ from pytreeio.formats import registry
 
 __all__ = [
     "METADATA_NAME",
+    "OrbaxCoordinator",
     "PytreeioHandler",
     "PytreeioRestore",
     "PytreeioSave",
@@ -156,19 +175,6 @@ class _Pending:
     durable: bool
 
 
-def _host_ready(tree: Any) -> None:
-    """Refuse arrays this layout cannot write (encoding starts the device-to-host copies)."""
-    import jax
-
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            raise EncodeError(
-                "the array is sharded across processes; the pytreeio orbax handler writes "
-                "fully addressable arrays only (one file from the primary process)",
-                key_path=jax.tree_util.keystr(path),
-            )
-
-
 def _prepare(args: PytreeioSave) -> _Pending:
     if not isinstance(args, PytreeioSave):
         raise TypeError(
@@ -177,7 +183,6 @@ def _prepare(args: PytreeioSave) -> _Pending:
         )
     fmt = registry.get(args.format)
     name = checkpoint_name(fmt)
-    _host_ready(args.item)
     # The destination recorded by formats that keep one (cl-waffe2) is the
     # item-relative name: the temporary directory orbax writes into is renamed.
     encoded = dispatch.encode_tree(fmt, args.item, args.meta, dict(args.options), name)
@@ -194,16 +199,92 @@ def _write(directory: Path, pending: _Pending) -> None:
     io.write_atomic(
         directory / pending.name, pending.encoded, pending.fmt.layout, durable=pending.durable
     )
-    record = {
-        "version": _METADATA_VERSION,
-        "format": pending.fmt.name,
-        "layout": _SINGLE,
-        "path": pending.name,
-    }
+    _write_record(directory, pending.fmt, pending.name, pending.durable)
+    dispatch.deliver_deferred(pending.encoded)
+
+
+def _write_record(directory: Path, fmt: Format, name: str, durable: bool) -> None:
+    record = {"version": _METADATA_VERSION, "format": fmt.name, "layout": _SINGLE, "path": name}
     # Written last: an item with a record has its checkpoint complete.
     doc = json.dumps(record, indent=1).encode()
-    io.write_file_atomic(directory / METADATA_NAME, Encoded(chunks=(doc,)), durable=pending.durable)
-    dispatch.deliver_deferred(pending.encoded)
+    io.write_file_atomic(directory / METADATA_NAME, Encoded(chunks=(doc,)), durable=durable)
+
+
+# --------------------------------------------------------------------------
+# arrays that span processes: every process writes its shards (pytreeio.multihost)
+# --------------------------------------------------------------------------
+
+#: How long a process waits for the others at each step of a save in parts (as long as
+#: orbax's own barriers wait by default).
+_PARTS_TIMEOUT_S = 300
+#: Numbers the saves in parts: the same sequence in every process, so each save's keys are new.
+_parts_saves = itertools.count()
+
+
+class OrbaxCoordinator:
+    """A `pytreeio.multihost.Coordinator` over orbax's multihost signalling.
+
+    Each message goes through the key-value store of ``jax.distributed``
+    (orbax's signalling client, which its commit futures use too); once an
+    orbax barrier (``ocp.multihost.get_barrier_sync_fn``) says that every
+    process has read them, each process deletes its own.  No device
+    collectives: it may run on orbax's background commit thread while the
+    training loop runs its own.  ``name`` is the same in every process and new
+    for each save.
+    """
+
+    def __init__(self, name: str, *, timeout_s: int = _PARTS_TIMEOUT_S) -> None:
+        import jax
+        from orbax.checkpoint._src.futures import signaling_client
+
+        self.process_index = jax.process_index()
+        self.process_count = jax.process_count()
+        self._client = signaling_client.get_signaling_client()
+        self._barrier = ocp.multihost.get_barrier_sync_fn()
+        self._name = name
+        self._timeout_s = timeout_s
+
+    def exchange(self, tag: str, message: str) -> list[str]:
+        key = f"{self._name}/{tag}"
+        mine = f"{key}/{self.process_index}"
+        # str on the wire: bytes that are not UTF-8 (a path's) travel as latin-1 characters
+        self._client.key_value_set(
+            mine, message.encode("utf-8", "surrogateescape").decode("latin-1")
+        )
+        said = [
+            self._client.blocking_key_value_get(f"{key}/{i}", self._timeout_s)
+            .encode("latin-1")
+            .decode("utf-8", "surrogateescape")
+            for i in range(self.process_count)
+        ]
+        self._barrier(key=f"{self._name}.{tag}.read", timeout_ms=self._timeout_s * 1000)
+        self._client.key_value_delete(mine)
+        return said
+
+
+def _spans_processes(args: Any) -> bool:
+    """Whether the item holds arrays whose shards lie partly in other processes."""
+    return isinstance(args, PytreeioSave) and multihost._holds_foreign_shards(args.item)
+
+
+def _prepare_parts(directory: Path, args: PytreeioSave) -> Callable[[], None]:
+    """Encode and snapshot this process's parts (every process agrees); returns the write."""
+    coordinator = OrbaxCoordinator(f"pytreeio_parts_{next(_parts_saves)}")
+    fmt = registry.get(args.format)
+    name = checkpoint_name(fmt)
+    parts = multihost.prepare_in_parts(
+        directory / name,
+        args.item,
+        format=fmt,
+        coordinator=coordinator,
+        meta=args.meta,
+        durable=args.durable,
+        snapshot=True,
+        **args.options,
+    )
+    # the record is the primary's, written before the processes agree that the save succeeded
+    finish = functools.partial(_write_record, directory, fmt, name, args.durable)
+    return functools.partial(parts.write, finish=finish)
 
 
 # --------------------------------------------------------------------------
@@ -274,27 +355,32 @@ def _locate(directory: Path, format: str | None) -> tuple[Path, str]:
 class PytreeioHandler(ocp.AsyncCheckpointHandler):
     """An orbax checkpoint handler that saves and restores one item in a pytreeio format.
 
-    ``primary_host``: the process that writes (the others encode nothing and
-    write nothing; arrays must be fully addressable, i.e. replicated, there).
+    ``primary_host``: the process that writes an item of fully addressable
+    arrays (the others encode nothing and write nothing).  An item holding
+    arrays that span processes is written by every process, each its own
+    shards, into the one file (`pytreeio.multihost.prepare_in_parts`, process 0
+    leading, `OrbaxCoordinator` between the processes).
     """
 
     def __init__(self, *, primary_host: int = 0) -> None:
         self._primary_host = primary_host
 
-    def _is_writer(self) -> bool:
+    def _begin(self, directory: Path, args: PytreeioSave) -> Callable[[], None] | None:
+        """The blocking phase; returns the write (None: this process writes nothing)."""
         import jax
 
-        return jax.process_index() == self._primary_host
+        if _spans_processes(args):
+            return _prepare_parts(directory, args)
+        if jax.process_index() != self._primary_host:
+            return None
+        return functools.partial(_write, directory, _prepare(args))
 
     async def async_save(
         self, directory: Any, args: PytreeioSave
     ) -> list[ocp_future.Future] | None:
         """Encode and snapshot now; write (or raise the encoding's error) in orbax's commit."""
-        if not self._is_writer():
-            return None
-        target = Path(directory)
         try:
-            pending = _prepare(args)
+            write = self._begin(Path(directory), args)
         except Exception as exc:
             # Raised from the commit instead: orbax has begun this step (its
             # directory creation waits on signals) and an exception here would
@@ -306,9 +392,11 @@ class PytreeioHandler(ocp.AsyncCheckpointHandler):
                 raise failure
 
             return [ocp_future.CommitFutureAwaitingContractedSignals(fail(), name="pytreeio_save")]
+        if write is None:
+            return None
 
         async def commit() -> None:
-            _write(target, pending)
+            write()
 
         # The future waits for orbax's signals (the step directory may be
         # created in the background) before the write starts.
@@ -316,8 +404,9 @@ class PytreeioHandler(ocp.AsyncCheckpointHandler):
 
     def save(self, directory: Any, args: PytreeioSave) -> None:
         """Save synchronously (orbax's sync ``Checkpointer``: the directory exists already)."""
-        if self._is_writer():
-            _write(Path(directory), _prepare(args))
+        write = self._begin(Path(directory), args)
+        if write is not None:
+            write()
 
     def restore(self, directory: Any, args: PytreeioRestore | None = None) -> Any:
         """The item in ``args.like``'s structure, or the format's native tree without one."""
