@@ -36,7 +36,7 @@ import hashlib
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -351,6 +351,7 @@ def save_in_parts(
     coordinator: Coordinator | None = None,
     meta: Any = None,
     durable: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> None:
     """Save a tree of arrays sharded over the processes of a job into one file; call it in every process.
@@ -361,9 +362,19 @@ def save_in_parts(
     `JaxCoordinator` in a multi-process jax job.  Every process
     returns when the checkpoint is in place, or raises `PartsError`
     naming the process that failed (the destination keeps its old content).
+
+    ``path`` may be a URL (``storage_options`` configure its file system): each process then
+    uploads its ranges, and process 0 merges them and uploads the object whole.
     """
     prepare_in_parts(
-        path, tree, format=format, coordinator=coordinator, meta=meta, durable=durable, **options
+        path,
+        tree,
+        format=format,
+        coordinator=coordinator,
+        meta=meta,
+        durable=durable,
+        storage_options=storage_options,
+        **options,
     ).write()
 
 
@@ -377,6 +388,7 @@ def prepare_in_parts(
     meta: Any = None,
     durable: bool = True,
     snapshot: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> PartsSave:
     """The first half of `save_in_parts`: encode, and agree on the layout; `PartsSave.write` writes.
@@ -388,9 +400,11 @@ def prepare_in_parts(
     primary take no snapshot (``EncodeError``).  Errors are agreed as in
     `save_in_parts`: every process raises `PartsError` or none does.
     """
+    from pytreeio import io
     from pytreeio.core.records import File
     from pytreeio.engine import dispatch
 
+    path = io.location(path, storage_options)
     coord = coordinator if coordinator is not None else default_coordinator()
     where = os.fspath(path)
     plan: _Plan | None = None
@@ -478,7 +492,7 @@ class PartsSave:
             tmp = _agree(coord, "create", error, where, tmp)[0]
             error = None
             try:
-                out = io.PartWriter(tmp)
+                out = io.part_writer(tmp, self.path)
                 try:
                     _write_own_shards(out, plan)
                     if primary:
@@ -497,7 +511,7 @@ class PartsSave:
             error = None
             if primary:
                 try:
-                    with io.PartWriter(tmp) as out:
+                    with io.part_writer(tmp, self.path) as out:
                         _finish_late(out, plan)
                     stack.close()  # fsync and rename over the destination
                     if finish is not None:

@@ -83,7 +83,7 @@ from orbax.checkpoint import future as ocp_future
 from pytreeio import api, async_save, io, multihost
 from pytreeio.core.errors import FormatError
 from pytreeio.core.jsonsafe import loads as json_loads
-from pytreeio.core.records import Encoded, Format, Info
+from pytreeio.core.records import FILE, Encoded, Format, Info
 from pytreeio.engine import dispatch
 from pytreeio.formats import registry
 
@@ -207,7 +207,7 @@ def _write_record(directory: Path, fmt: Format, name: str, durable: bool) -> Non
     record = {"version": _METADATA_VERSION, "format": fmt.name, "layout": _SINGLE, "path": name}
     # Written last: an item with a record has its checkpoint complete.
     doc = json.dumps(record, indent=1).encode()
-    io.write_file_atomic(directory / METADATA_NAME, Encoded(chunks=(doc,)), durable=durable)
+    io.write_atomic(directory / METADATA_NAME, Encoded(chunks=(doc,)), FILE, durable=durable)
 
 
 # --------------------------------------------------------------------------
@@ -290,6 +290,13 @@ def _prepare_parts(directory: Path, args: PytreeioSave) -> Callable[[], None]:
 # --------------------------------------------------------------------------
 # reading the record
 # --------------------------------------------------------------------------
+
+
+def _where(directory: Any) -> Any:
+    """Orbax's item directory as pytreeio's io takes it: a local ``Path``, or a URL (an
+    ``etils.epath`` path in object storage; fsspec's configuration gives its options)."""
+    where = io.location(os.fspath(directory))
+    return where if io.is_url(where) else Path(where)
 
 
 def _read_record(directory: Path) -> dict[str, Any] | None:
@@ -380,7 +387,7 @@ class PytreeioHandler(ocp.AsyncCheckpointHandler):
     ) -> list[ocp_future.Future] | None:
         """Encode and snapshot now; write (or raise the encoding's error) in orbax's commit."""
         try:
-            write = self._begin(Path(directory), args)
+            write = self._begin(_where(directory), args)
         except Exception as exc:
             # Raised from the commit instead: orbax has begun this step (its
             # directory creation waits on signals) and an exception here would
@@ -404,7 +411,7 @@ class PytreeioHandler(ocp.AsyncCheckpointHandler):
 
     def save(self, directory: Any, args: PytreeioSave) -> None:
         """Save synchronously (orbax's sync ``Checkpointer``: the directory exists already)."""
-        write = self._begin(Path(directory), args)
+        write = self._begin(_where(directory), args)
         if write is not None:
             write()
 
@@ -415,14 +422,14 @@ class PytreeioHandler(ocp.AsyncCheckpointHandler):
             raise TypeError(
                 f"the pytreeio handler restores PytreeioRestore args, not {type(args).__name__}"
             )
-        path, fmt = _locate(Path(directory), args.format)
+        path, fmt = _locate(_where(directory), args.format)
         return api.load(
             path, like=args.like, format=fmt, mmap=args.mmap, verify=args.verify, **args.options
         )
 
     def metadata(self, directory: Any) -> Info:
         """The checkpoint's `pytreeio.Info` (format, entries, meta): headers only."""
-        path, fmt = _locate(Path(directory), None)
+        path, fmt = _locate(_where(directory), None)
         return api.inspect(path, format=fmt)
 
     def finalize(self, directory: Any) -> None:

@@ -114,7 +114,10 @@ def main() -> None:
             return
         raise AssertionError(f"step {step} did not raise in process {process_id}")
 
-    options = ocp.CheckpointManagerOptions(max_to_keep=2)
+    # object storage has no rename: orbax marks a finished step with a commit file there
+    commit_file = ocp.path.atomicity.CommitFileTemporaryPath
+    remote = {"temporary_path_class": commit_file} if "://" in root_arg else {}
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, **remote)
     with ocp.CheckpointManager(root, options=options) as mngr:
         for step in range(3):
             save(mngr, step, tree(step))
@@ -127,22 +130,25 @@ def main() -> None:
         failing(mngr, 3, bad)
 
         # step 4: process 1 cannot write its shards (a full disk, say)
-        original = io.PartWriter.write_at
+        writers = (io.PartWriter, io.remote.PartWriter)
+        originals = [w.write_at for w in writers]
 
-        def full(self: io.PartWriter, offset: int, data: Any) -> None:
-            raise OSError(errno.ENOSPC, "No space left on device (injected)", self.path)
+        def full(self: Any, offset: int, data: Any) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", root_arg)
 
         if process_id == 1:
-            io.PartWriter.write_at = full  # type: ignore[method-assign]
+            for w in writers:
+                w.write_at = full  # type: ignore[method-assign]
         failing(mngr, 4, tree(4))
-        io.PartWriter.write_at = original  # type: ignore[method-assign]
+        for w, original in zip(writers, originals, strict=True):
+            w.write_at = original  # type: ignore[method-assign]
 
         save(mngr, 5, tree(5))
         mngr.wait_until_finished()
         assert mngr.all_steps() == [2, 5], mngr.all_steps()
 
     # the same save through orbax's synchronous checkpointer
-    sync = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    sync = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, **remote)
     with ocp.CheckpointManager(root / "sync", options=sync) as mngr:
         save(mngr, 5, tree(5))
         assert mngr.all_steps() == [5], mngr.all_steps()
@@ -167,7 +173,8 @@ def main() -> None:
                 same = (written / f"checkpoint.{fmt}").read_bytes() == want
                 assert same, f"{written}: written in parts, differs from a single-process save"
 
-    with ocp.CheckpointManager(root) as mngr:  # a fresh manager, as a restarted job has
+    fresh = ocp.CheckpointManagerOptions(**remote)
+    with ocp.CheckpointManager(root, options=fresh) as mngr:  # as a restarted job has
         assert {2, 5} <= set(mngr.all_steps()) and mngr.latest_step() == 5, mngr.all_steps()
         assert not {3, 4} & set(mngr.all_steps()), mngr.all_steps()
         for fmt in FORMATS:
@@ -182,8 +189,14 @@ def say(tag: str, doc: dict[str, Any]) -> None:
 
 
 def steps(root: Any) -> list[str]:
-    """The committed step directories under ``root`` (orbax's temporaries end otherwise)."""
-    return sorted(p.name for p in root.iterdir() if p.name.isdigit())
+    """The committed step directories under ``root``: locally, orbax's temporaries are named
+    otherwise; in object storage a step is written in place and committed by a marker file."""
+    remote = "://" in str(root)
+    return sorted(
+        p.name
+        for p in root.iterdir()
+        if p.name.isdigit() and (not remote or (p / "commit_success.txt").exists())
+    )
 
 
 def restore(mngr: Any, fmt: str, shardings: dict[str, Any], process_id: int) -> None:
@@ -201,20 +214,26 @@ def restore(mngr: Any, fmt: str, shardings: dict[str, Any], process_id: int) -> 
     like["step"] = 0
     like["bias"] = np.zeros(5, dtype=np.float32)
 
-    # every file source opened, to sum the bytes each read (pread, preadv, windows)
-    sources: list[io.FileSource] = []
-    original = io.FileSource.__init__
+    # every file or object source opened, to sum the bytes each read (pread, ranged GETs)
+    sources: list[Any] = []
+    kinds = (io.FileSource, io.remote.RemoteSource)
+    originals = [k.__init__ for k in kinds]
 
-    def tracked(self: io.FileSource, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        sources.append(self)
+    def tracking(original: Any) -> Any:
+        def tracked(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            sources.append(self)
 
-    io.FileSource.__init__ = tracked  # type: ignore[method-assign]
+        return tracked
+
+    for kind, original in zip(kinds, originals, strict=True):
+        kind.__init__ = tracking(original)  # type: ignore[method-assign]
     try:
         args = ocp.args.Composite(**{fmt: PytreeioRestore(like=like)})
         out = mngr.restore(5, args=args)[fmt]
     finally:
-        io.FileSource.__init__ = original  # type: ignore[method-assign]
+        for kind, original in zip(kinds, originals, strict=True):
+            kind.__init__ = original  # type: ignore[method-assign]
     assert sources, "the restore opened no file"
     held = 0
     for k in host:

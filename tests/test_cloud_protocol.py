@@ -361,3 +361,19 @@ def test_diff_compares_a_remote_and_a_local_checkpoint(mem: str, tmp_path: Path)
     assert not diff(mem + "/a.safetensors", tmp_path / "b.msgpack").ok
     with pytest.raises(TypeError, match="commit object"):
         write_manifest(mem + "/a.safetensors")
+
+
+def test_a_save_in_parts_to_a_url_is_one_object(mem: str, tmp_path: Path) -> None:
+    from thread_group import run_threads
+
+    from pytreeio import multihost
+
+    tree = {"w": np.arange(4096, dtype=np.float32), "b": np.ones(3, np.int32)}
+    ptio.save(tmp_path / "want.safetensors", tree)
+    url = mem + "/parts.safetensors"
+    run_threads(2, lambda coord: multihost.save_in_parts(url, tree, coordinator=coord))
+    assert _objects(mem) == ["parts.safetensors"]  # the parts prefix is gone
+    fs = fsspec.filesystem("memory")
+    assert (
+        fs.cat_file(url.removeprefix("memory://")) == (tmp_path / "want.safetensors").read_bytes()
+    )

@@ -134,6 +134,45 @@ def test_two_processes_save_in_parts_and_restore_their_slices(tmp_path: Path) ->
             assert r["held"] <= r["read"] <= r["held"] + header + 64, r
 
 
+def test_two_processes_save_in_parts_to_s3(
+    tmp_path: Path, s3_root: str, s3_options: dict[str, Any], s3_endpoint: str
+) -> None:
+    """The same pair with the managers' directory in a bucket: each process uploads its
+    ranges, process 0 merges them and uploads the file as one object."""
+    why = _gloo_missing()
+    if why:
+        pytest.skip(why)
+    fsspec = pytest.importorskip("fsspec")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    root = s3_root + "/ckpts"
+    env = {  # fsspec's configuration: what orbax's paths (etils.epath) and pytreeio both read
+        "FSSPEC_S3_ENDPOINT_URL": s3_endpoint,
+        "FSSPEC_S3_KEY": "testing",
+        "FSSPEC_S3_SECRET": "testing",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+    }
+    text = _run_pair(root, scratch, env)
+    raised = _lines(text, "RAISED")
+    assert sorted((r["process"], r["step"]) for r in raised) == [(0, 3), (0, 4), (1, 3), (1, 4)]
+    fs, key = fsspec.core.url_to_fs(root, **s3_options)
+    fs.invalidate_cache()
+    objects = fs.find(key)
+    committed = {p.split("/")[2] for p in objects if p.endswith("/commit_success.txt")}
+    assert not {"3", "4"} & committed and {"2", "5"} <= committed, sorted(committed)
+    assert not [p for p in objects if ".pytreeio-parts-" in p], "parts were left behind"
+    for fmt in FORMATS:
+        written = fs.cat_file(f"{key}/5/{fmt}/checkpoint.{fmt}")
+        assert written == (scratch / f"whole.{fmt}").read_bytes()
+    results = _lines(text, "RESULT")
+    assert len(results) == 2 * len(FORMATS)
+    for r in results:
+        assert r["held"] == 96 << 10, r
+        if r["format"] == "safetensors":
+            assert r["held"] <= r["read"] <= r["held"] + (64 << 10), r
+
+
 # --------------------------------------------------------------------------
 # in one process
 # --------------------------------------------------------------------------

@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from pytreeio.core.records import Encoded, File, Layout, Probe
-from pytreeio.io import atomic, probes, remote, sources
+from pytreeio.io import atomic, probes, reads, remote, sources
 from pytreeio.io.atomic import (
     PartWriter,
     _produced,
-    file_in_parts,
     write_dir_atomic,
     write_file_atomic,
 )
@@ -35,7 +34,6 @@ from pytreeio.io.reads import (
     FileSource,
     read_chunks,
     read_file,
-    read_head,
     walk,
 )
 from pytreeio.io.remote import Url, is_url, location
@@ -62,6 +60,7 @@ __all__ = [
     "read_head",
     "file_in_parts",
     "PartWriter",
+    "part_writer",
     "_produced",
 ]
 
@@ -101,3 +100,25 @@ def is_file(path: Any) -> bool:
     if isinstance(path, Url):
         return remote.probe(path, File()).kind == "file"
     return os.path.isfile(path)
+
+
+def read_head(path: Any, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of a small file or object (the caller tells it is too long)."""
+    if isinstance(path, Url):
+        return remote.read_head(path, limit)
+    return reads.read_head(path, limit)
+
+
+def file_in_parts(path: Any, size: int, durable: bool = True) -> Any:
+    """A checkpoint file that several writers fill (see `pytreeio.io.atomic.file_in_parts`):
+    a context manager yielding the name that `part_writer` opens."""
+    if isinstance(path, Url):
+        return remote.file_in_parts(path, size)
+    return atomic.file_in_parts(path, size, durable)
+
+
+def part_writer(name: str, dest: Any) -> Any:
+    """A writer of the `file_in_parts` named ``name`` (as the lead passed it on) for ``dest``."""
+    if isinstance(dest, Url):
+        return remote.PartWriter(dest, name)
+    return PartWriter(name)

@@ -94,6 +94,10 @@ class Url(str):
         """The URL of another object on the same file system."""
         return Url(self.fs.unstrip_protocol(key), self.fs, key)
 
+    def __truediv__(self, name: str) -> Url:
+        """The URL of ``name`` below this one (as ``pathlib.Path`` joins)."""
+        return self.at(f"{self.key.rstrip('/')}/{name}")
+
 
 def is_url(path: object) -> bool:
     """Whether ``path`` is a URL that fsspec serves (``file://`` URLs are local paths)."""
@@ -765,3 +769,127 @@ def checksum(url: Url, key: str) -> tuple[int, str]:
         src.read_into(at, buf[:n], "file")
         h.update(buf[:n])
     return src.size, f"{h.intdigest():016x}"
+
+
+# --------------------------------------------------------------------------
+# one object written by several processes (pytreeio.multihost)
+# --------------------------------------------------------------------------
+
+#: The objects this process assembles: the parts prefix -> the local file parts are merged into.
+_ASSEMBLING: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def file_in_parts(url: Url, size: int) -> Iterator[str]:
+    """`pytreeio.io.file_in_parts` for an object: yields the key prefix under which writers
+    upload their parts (`PartWriter`).  This process, the lead, merges them into a local file of
+    ``size`` bytes; when the block exits normally the file is uploaded as one object (old or new
+    object, never a mix); either way the parts are removed."""
+    head, name = _parent(url.key)
+    prefix = f"{head}/.{name}.pytreeio-parts-{_new_version()}/"
+    with tempfile.TemporaryDirectory(prefix="pytreeio-parts-") as staging:
+        local = os.path.join(staging, name or "object")
+        with open(local, "wb") as f:
+            f.truncate(size)
+        _ASSEMBLING[prefix] = local
+        try:
+            yield prefix
+            _merge(url, prefix, local)
+            with _storage_errors(url):
+                url.fs.put_file(local, url.key)
+        finally:
+            del _ASSEMBLING[prefix]
+            _remove(url, prefix)
+
+
+def _merge(url: Url, prefix: str, local: str) -> None:
+    """Write every complete part under ``prefix`` (its index uploaded) into ``local``."""
+    url.fs.invalidate_cache(prefix.rstrip("/"))
+    with _storage_errors(url.at(prefix)):
+        try:
+            keys = sorted(url.fs.find(prefix))
+        except FileNotFoundError:
+            keys = []
+    size = os.path.getsize(local)
+    fd = os.open(local, os.O_RDWR)
+    try:
+        for index_key in (k for k in keys if k.endswith(".index")):
+            data_key = index_key[: -len(".index")] + ".data"
+            where = url.at(index_key)
+            with _storage_errors(where):
+                index = json.loads(url.fs.cat_file(index_key))
+            at = 0
+            source = _object(url, data_key)
+            for offset, n in index:
+                if not (offset >= 0 and offset + n <= size and at + n <= source.size):
+                    raise FormatError("a part lies outside the object", path=where, offset=offset)
+                for done in range(0, n, _MAX_BLOCK):
+                    piece = source.read(at + done, min(_MAX_BLOCK, n - done), "part")
+                    os.pwrite(fd, piece, offset + done)
+                at += n
+            _remove(url, index_key)
+            _remove(url, data_key)
+    finally:
+        os.close(fd)
+
+
+class PartWriter(Closing):
+    """One writer of an object written in parts (`file_in_parts`), at offsets.
+
+    The lead writes into its local file; another process collects its writes in a local
+    temporary and uploads them when closed, data first and then an index of their offsets.
+    ``read_at`` reads back what the lead's file holds (every part uploaded by then merged in).
+    """
+
+    def __init__(self, url: Url, prefix: str) -> None:
+        self._url = url
+        self._lead = _ASSEMBLING.get(prefix)
+        self._key = f"{prefix}{_new_version()}"
+        self._ranges: list[tuple[int, int]] = []
+        self._staging: tempfile.TemporaryDirectory[str] | None = None
+        if self._lead is not None:
+            _merge(url, prefix, self._lead)
+            self._fd = os.open(self._lead, os.O_RDWR)
+        else:
+            self._staging = tempfile.TemporaryDirectory(prefix="pytreeio-part-")
+            self._fd = os.open(os.path.join(self._staging.name, "data"), os.O_RDWR | os.O_CREAT)
+
+    def write_at(self, offset: int, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        if self._lead is not None:
+            os.pwrite(self._fd, view, offset)  # the lead's pwrite of at most 1 GiB parts
+            return
+        self._ranges.append((offset, len(view)))
+        os.write(self._fd, view)
+
+    def read_at(self, offset: int, n: int) -> memoryview:
+        if self._lead is None:
+            raise TypeError("only the process leading a save in parts reads it back")
+        view = np.empty(n, dtype=np.uint8).data
+        got = os.preadv(self._fd, [view], offset)
+        if got != n:
+            raise FormatError("shorter than its parts", path=self._url, offset=offset + got)
+        return view
+
+    def close(self, *, durable: bool = False) -> None:
+        del durable  # an object store keeps what it has acknowledged
+        if self._fd < 0:
+            return
+        os.close(self._fd)
+        self._fd = -1
+        if self._staging is None:
+            return
+        try:
+            if self._ranges:
+                data = os.path.join(self._staging.name, "data")
+                with _storage_errors(self._url.at(self._key)):
+                    self._url.fs.put_file(data, self._key + ".data")
+                    self._url.fs.pipe_file(self._key + ".index", json.dumps(self._ranges).encode())
+        finally:
+            self._staging.cleanup()
+
+
+def read_head(url: Url, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of a small object."""
+    src = _object(url, url.key)
+    return bytes(src.read(0, min(src.size, limit + 1), "file"))
