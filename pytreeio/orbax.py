@@ -58,8 +58,9 @@ slices its devices hold (see `pytreeio.load`).
 The metadata's ``layout`` field: a ``"single"`` item is one checkpoint,
 written by the primary or in parts (the bytes are the same); another layout
 (one file per process, say) gets its own value and writer, and restore
-refuses layouts it does not know.  Writing needs a local (POSIX) file
-system, as pytreeio's io does.
+refuses layouts it does not know.  The item directory may be in object storage
+(an ``etils.epath`` URL; fsspec's configuration gives its options): every file is then one
+object, and a save in parts uploads each process's ranges for process 0 to merge.
 
 This module imports orbax; ``import pytreeio`` does not import it.
 """
