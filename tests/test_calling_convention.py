@@ -83,7 +83,7 @@ def test_diff_and_the_lazy_view_follow_it_too() -> None:
 
 @pytest.mark.parametrize(("file_fn", "memory_fn"), sorted(TWINS.items()))
 def test_in_memory_twins_take_the_same_options(file_fn: str, memory_fn: str) -> None:
-    only_files = {"mmap", "durable", "dst"}  # what has no meaning without a file system
+    only_files = {"mmap", "durable", "dst", "storage_options"}  # no meaning without a file system
     only_memory = {"dest"}  # the path an encoding is meant for (cl-waffe2 records it)
     file_kw = set(_kinds(getattr(ptio, file_fn))[1]) - only_files
     memory_kw = set(_kinds(getattr(ptio, memory_fn))[1]) - only_memory
