@@ -115,8 +115,8 @@ def _get_executor() -> ThreadPoolExecutor:
 
 def _dest_key(path: PathLike) -> str:
     """One name per destination however it is spelt (symlinks resolved, as io's locks do)."""
-    if io.is_url(path):
-        return str(path)
+    if isinstance(path, io.Url):
+        return str(path.at(path.key))  # one spelling per object: s3://b/k and s3://b/k/ alike
     p = Path(path)
     if os.path.islink(p):
         return os.path.realpath(p)

@@ -7,6 +7,7 @@ by SIGKILL mid-save, and two savers racing on one destination, never leave a mix
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -154,7 +155,9 @@ def test_an_uncommitted_version_is_never_read_and_the_next_save_removes_a_dead_o
     ptio.save(url, _waffe2_tree(1.0), format="waffe2")
     fs = fsspec.filesystem("memory")
     root = url.removeprefix("memory://")
-    host = __import__("socket").gethostname()
+    from pytreeio.io.remote import _host
+
+    host = _host()
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
     )
@@ -168,6 +171,9 @@ def test_an_uncommitted_version_is_never_read_and_the_next_save_removes_a_dead_o
     )
     for v in (stale, dead_here, young_elsewhere):  # files of saves that never committed
         fs.pipe_file(f"{root}/.pytreeio-{v}/parameters.json", b"{broken")
+    # the stale one was last written two days ago, by the store's clock (not its name's)
+    old = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=2)
+    fs.store[f"{root}/.pytreeio-{stale}/parameters.json"].created = old
     assert _values(ptio.load(url)) == {1.0}
     ptio.save(url, _waffe2_tree(3.0), format="waffe2")
     left = {n.split("/")[0] for n in _objects(url)} - {".pytreeio-commit"}
@@ -377,3 +383,91 @@ def test_a_save_in_parts_to_a_url_is_one_object(mem: str, tmp_path: Path) -> Non
     assert (
         fs.cat_file(url.removeprefix("memory://")) == (tmp_path / "want.safetensors").read_bytes()
     )
+
+
+# --------------------------------------------------------------------------
+# what a review found: each case once failed
+# --------------------------------------------------------------------------
+
+
+def test_a_commit_that_lands_but_raises_keeps_its_version(
+    mem: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = mem + "/ck"
+    ptio.save(url, _waffe2_tree(1.0), format="waffe2")
+    real = MemoryFileSystem.pipe_file
+
+    def lands_then_times_out(self: Any, path: str, value: bytes, **kw: Any) -> None:
+        real(self, path, value, **kw)
+        if path.endswith(".pytreeio-commit"):
+            raise TimeoutError("read timeout after the store took it")
+
+    monkeypatch.setattr(MemoryFileSystem, "pipe_file", lands_then_times_out)
+    with pytest.raises(OSError, match="timeout"):
+        ptio.save(url, _waffe2_tree(2.0), format="waffe2")
+    monkeypatch.undo()
+    assert _values(ptio.load(url)) == {2.0}  # committed, and its files are all there
+
+
+def test_a_failed_window_read_is_not_served_later(
+    mem: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = "countmem://" + mem.removeprefix("memory://") + "/w.safetensors"
+    tree = {"a": np.arange(16, dtype=np.float32), "b": np.arange(16, dtype=np.int32)}
+    ptio.save(url, tree)
+    with ptio.open(url) as ck:
+        real = CountingFS.cat_file
+        monkeypatch.setattr(
+            CountingFS, "cat_file", lambda *a, **k: (_ for _ in ()).throw(OSError(5, "flaky"))
+        )
+        src = ck._source
+        src._window = memoryview(b"")  # the next small read fetches a window
+        with pytest.raises(OSError):
+            src.read(8, 16, "a")
+        monkeypatch.setattr(CountingFS, "cat_file", real)
+        assert bytes(src.read(0, 8, "head")) == bytes(
+            ptio.encode(tree, format="safetensors").tobytes()[:8]
+        )
+
+
+def test_an_empty_tensor_at_the_end_of_an_s3_object_reads(
+    s3_root: str, s3_options: dict[str, Any]
+) -> None:
+    url = s3_root + "/e.safetensors"
+    tree = {"a": np.arange(4, dtype=np.float32), "z": np.zeros((0,), np.float32)}
+    ptio.save(url, tree, storage_options=s3_options)
+    with ptio.open(url, storage_options=s3_options) as ck:
+        assert ck["z"].shape == (0,) and np.array_equal(ck["a"], tree["a"])
+
+
+@pytest.mark.parametrize("size", [True, 10**12, 2**63, -1])
+def test_a_commit_recording_an_odd_size_is_a_format_error(mem: str, size: Any) -> None:
+    url = mem + "/ck"
+    ptio.save(url, _waffe2_tree(1.0), format="waffe2")
+    fs = fsspec.filesystem("memory")
+    key = url.removeprefix("memory://") + "/.pytreeio-commit"
+    doc = json.loads(fs.cat_file(key))
+    doc["files"]["parameters.json"]["size"] = size
+    fs.pipe_file(key, json.dumps(doc).encode())
+    with pytest.raises(ptio.FormatError) as err:
+        ptio.load(url, format="waffe2")
+    assert "commit" in str(err.value.path) or "parameters.json" in str(err.value.path)
+
+
+def test_caching_wrappers_are_refused() -> None:
+    with pytest.raises(ValueError, match="simplecache"):
+        ptio.load("simplecache::memory://x/a.msgpack")
+
+
+def test_an_odd_entry_beside_the_versions_does_not_break_saves(mem: str) -> None:
+    url = mem + "/ck"
+    ptio.save(url, _waffe2_tree(1.0), format="waffe2")
+    fs = fsspec.filesystem("memory")
+    root = url.removeprefix("memory://")
+    for odd in (
+        "99999999T999999.000000Z-h-1-0123abcd",
+        "20200101T000000.000000Z-h-99999999999-0123abcd",
+    ):
+        fs.pipe_file(f"{root}/.pytreeio-{odd}/x", b"x")
+    ptio.save(url, _waffe2_tree(2.0), format="waffe2")
+    assert _values(ptio.load(url)) == {2.0}

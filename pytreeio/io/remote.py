@@ -50,7 +50,7 @@ import numpy as np
 from pytreeio.core.binary import ByteSource
 from pytreeio.core.errors import FormatError
 from pytreeio.core.records import Directory, Encoded, File, Layout, Probe, Siblings
-from pytreeio.io.atomic import _write_chunks
+from pytreeio.io.atomic import _write_at, _write_chunks
 from pytreeio.io.probes import _HEAD, _MAX_NAMES, _listing_probe, _probe_source, _probe_with
 from pytreeio.io.reads import ChangedWhileOpen, Closing, FileSet
 
@@ -58,7 +58,16 @@ from pytreeio.io.reads import ChangedWhileOpen, Closing, FileSet
 _PROTOCOL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*(?=://|::)")
 _COMMIT = ".pytreeio-commit"
 _VERSION_MARK = ".pytreeio-"
-_VERSION = re.compile(r"(\d{8}T\d{6}\.\d{6})Z-(.+)-(\d+)-([0-9a-f]{8})")
+_VERSION = re.compile(r"(\d{8}T\d{6}\.\d{6})Z-([A-Za-z0-9.]{1,80})-(\d{1,10})-([0-9a-f]{8})")
+#: The largest file size a commit object may record (a sanity bound, 256 TiB).
+_MAX_SIZE = 1 << 48
+#: fsspec protocols that publish an uploaded object whole (the others are written in place:
+#: their uploads go to a temporary name, then are renamed).
+_OBJECT_STORES = frozenset(
+    {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory"}
+)
+#: Caching wrappers serve what they cached: commit objects and ETags would be stale.
+_CACHING = frozenset({"simplecache", "filecache", "blockcache", "cached"})
 #: An uncommitted version older than this is a dead save's, whoever wrote it.
 STALE_AFTER = 24 * 3600.0
 #: The largest commit object read (a directory of 10,000 files takes about 1 MB).
@@ -117,6 +126,10 @@ def location(path: Any, storage_options: Mapping[str, Any] | None = None) -> Any
     """
     if isinstance(path, Url):
         return path
+    if isinstance(path, os.PathLike) and not isinstance(path, Path):
+        path = os.fspath(path)  # an etils or universal-pathlib path: its URL
+    if isinstance(path, str) and path[:17].lower() == "file://localhost/":
+        path = path[16:]
     if isinstance(path, str) and path[:7].lower() == "file://" and "::" not in path:
         path = path[7:]  # a local file: the local code, with its renames and locks
     elif is_url(path):
@@ -127,6 +140,12 @@ def location(path: Any, storage_options: Mapping[str, Any] | None = None) -> Any
                 f"{path}: URLs need fsspec and the protocol's file system: "
                 "pip install 'pytreeio[cloud]'"
             ) from None
+        cached = sorted(_CACHING & {p.lower() for p in re.findall(r"([A-Za-z0-9+.\-]+)::", path)})
+        if cached:
+            raise ValueError(
+                f"{path}: {cached[0]}:: serves what it cached, so a newer commit or a replaced "
+                "object would go unseen; read the store itself"
+            )
         try:
             fs, key = url_to_fs(path, **dict(storage_options or {}))
         except (ImportError, ValueError) as exc:
@@ -146,8 +165,8 @@ def _storage_errors(url: str) -> Iterator[None]:
     ``FileNotFoundError``; a network or permission failure from any fsspec backend)."""
     try:
         yield
-    except (FormatError, ChangedWhileOpen):
-        raise
+    except (FormatError, ChangedWhileOpen, TypeError, AttributeError, AssertionError):
+        raise  # ours, or a bug: never dressed up as a storage failure
     except FileNotFoundError as exc:
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", url) from exc
     except OSError as exc:
@@ -181,6 +200,8 @@ def _stamp(info: Mapping[str, Any]) -> tuple[Any, ...]:
 def _fetch(url: Url, key: str, offset: int, out: memoryview, field: str) -> None:
     """Fill ``out`` with the object's bytes at ``offset``: ranged GETs, several at once."""
     n = len(out)
+    if n == 0:  # a GET of no bytes is an error (S3: 416) or the whole object
+        return
     block = min(_MAX_BLOCK, max(_BLOCK, -(-n // _BLOCKS_AT_ONCE)))
     starts = list(range(offset, offset + n, block)) or [offset]
     fs = url.fs
@@ -271,9 +292,10 @@ class RemoteSource(Closing, ByteSource):
         if n < self._window_size:
             at = offset - self._window_at
             if not (at >= 0 and at + n <= len(self._window)):
-                self._window_at, at = offset, 0
-                self._window = np.empty(min(self._window_size, self.size - offset), np.uint8).data
-                self._fetch(offset, self._window, field)
+                window = np.empty(min(self._window_size, self.size - offset), np.uint8).data
+                self._window = memoryview(b"")  # kept only once fetched and checked
+                self._fetch(offset, window, field)
+                self._window, self._window_at, at = window, offset, 0
             out[:] = self._window[at : at + n]
             self.bytes_read += n
             return
@@ -370,8 +392,8 @@ def _safe_name(name: str) -> bool:
 def _entry_ok(entry: Any) -> bool:
     return (
         isinstance(entry, dict)
-        and isinstance(entry.get("size"), int)
-        and entry["size"] >= 0
+        and type(entry.get("size")) is int  # not a bool
+        and 0 <= entry["size"] <= _MAX_SIZE
         and isinstance(entry.get("xxh3_64"), str)
     )
 
@@ -386,8 +408,9 @@ def _committed(url: Url, anchor: str, directory: bool) -> dict[str, tuple[str, i
     return {name: (base + name, e["size"]) for name, e in doc["files"].items()}
 
 
-def _plain_listing(url: Url, root: str) -> dict[str, tuple[str, int]]:
-    """``{relative path: (key, size)}`` of plain objects below ``root`` (pytreeio's own left out)."""
+def _plain_listing(url: Url, root: str, limit: int | None = None) -> dict[str, tuple[str, int]]:
+    """``{relative path: (key, size)}`` of plain objects below ``root`` (pytreeio's own left
+    out; at most ``limit``)."""
     url.fs.invalidate_cache(root)
     base = root.rstrip("/") + "/"
     try:
@@ -400,14 +423,17 @@ def _plain_listing(url: Url, root: str) -> dict[str, tuple[str, int]]:
         rel = key[len(base) :] if key.startswith(base) else None
         if rel and info.get("type") == "file" and _VERSION_MARK not in rel:
             out[rel] = (key, int(info.get("size") or 0))
-        if len(out) >= _MAX_NAMES:
+        if limit is not None and len(out) >= limit:
             break
     return out
 
 
-def _directory_files(url: Url) -> dict[str, tuple[str, int]]:
+def _directory_files(url: Url, limit: int | None = None) -> tuple[dict[str, tuple[str, int]], bool]:
+    """``(files, committed)`` of a directory: its committed version's, or its plain objects."""
     committed = _committed(url, url.key, True)
-    return committed if committed is not None else _plain_listing(url, url.key)
+    if committed is not None:
+        return committed, True
+    return _plain_listing(url, url.key, limit), False
 
 
 # --------------------------------------------------------------------------
@@ -445,7 +471,7 @@ def probe(url: Url, layout: Layout, *, made: dict[Path, Probe] | None = None) ->
         alone = probe_file(p)
         if alone.kind == "file":  # an object is no directory: no listing needed
             return alone
-        files = _directory_files(url.at(p.as_posix()))
+        files, _ = _directory_files(url.at(p.as_posix()), _MAX_NAMES)
         if not files:
             return alone
 
@@ -500,9 +526,23 @@ class RemoteFiles(FileSet):
 
     def _source(self, name: str) -> RemoteSource:
         key, size = self._files[name]
+        try:
+            found = _object(self._url, key)
+        except FileNotFoundError:
+            raise ChangedWhileOpen(
+                errno.ENOENT,
+                "gone since the checkpoint was opened (replaced by a concurrent save?)",
+                self._url.at(key),
+            ) from None
         if self._checked:  # plain objects: each may be replaced, so each read is checked
-            return _object(self._url, key)
-        return RemoteSource(self._url, key, size, None)
+            return found
+        if found.size != size:  # never allocate what a commit object claims unchecked
+            raise FormatError(
+                f"the commit object records {size} bytes, the object has {found.size}",
+                path=self._url.at(key),
+                field="size",
+            )
+        return RemoteSource(self._url, key, size, None)  # a version's files are never rewritten
 
     def __getitem__(self, name: str) -> Any:
         src = self._source(name)
@@ -521,14 +561,14 @@ def open_source(url: Url, layout: Layout, *, mmap: bool = False, headers: bool =
         src = _object(url, url.key)
         return src if headers else src.read(0, src.size, "file")
     if isinstance(layout, Directory):
-        files = _directory_files(url)
+        files, committed = _directory_files(url)
         if not files:
             info = _info(url, url.key)
             if info is not None and info.get("type") != "directory":
                 raise FormatError("is a file, not a directory", path=url)
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", url)
         root = url.rstrip("/") + "/"
-        return RemoteFiles(url, files, headers=headers, root=root, checked=False)
+        return RemoteFiles(url, files, headers=headers, root=root, checked=not committed)
     if isinstance(layout, Siblings):
         return _open_siblings(url, layout, headers)
     raise TypeError(f"unknown layout {layout!r}")
@@ -613,19 +653,39 @@ def _put(url: Url, items: Mapping[str, Encoded], digest: bool = False) -> dict[s
         local = {key: os.path.join(staging, str(i)) for i, key in enumerate(items)}
         entries = {key: _stage(local[key], enc, digest) for key, enc in items.items()}
         keys = list(items)
+        protocols = url.fs.protocol if isinstance(url.fs.protocol, tuple) else (url.fs.protocol,)
+        in_place = not _OBJECT_STORES & set(protocols)
+        # a file system that writes in place (sftp, hdfs, ...): upload aside, then rename
+        targets = [_aside(k) for k in keys] if in_place else keys
         with _storage_errors(url.at(keys[0]) if len(keys) == 1 else url):
             if len(keys) == 1:
-                url.fs.put_file(local[keys[0]], keys[0])
+                url.fs.put_file(local[keys[0]], targets[0])
             elif keys:
-                url.fs.put([local[k] for k in keys], keys)
+                url.fs.put([local[k] for k in keys], targets)
+            if in_place:
+                for aside, key in zip(targets, keys, strict=True):
+                    url.fs.mv(aside, key)
     return entries
+
+
+def _aside(key: str) -> str:
+    head, name = _parent(key)
+    return f"{head}/.{name}.pytreeio-tmp-{os.getpid()}-{os.urandom(4).hex()}"
 
 
 def _new_version() -> str:
     t = time.time()
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}"
-    host = re.sub(r"[^A-Za-z0-9.]+", ".", socket.gethostname())[:64] or "host"
-    return f"{stamp}Z-{host}-{os.getpid()}-{os.urandom(4).hex()}"
+    return f"{stamp}Z-{_host()}-{os.getpid()}-{os.urandom(4).hex()}"
+
+
+def _host() -> str:
+    """This host, as version names spell it: the host name and, where there is one, the PID
+    namespace (containers sharing a host name do not share process numbers)."""
+    host = re.sub(r"[^A-Za-z0-9.]+", ".", socket.gethostname())[:64].strip(".") or "host"
+    with contextlib.suppress(OSError):
+        host += f".ns{os.stat('/proc/self/ns/pid').st_ino}"
+    return host
 
 
 def _write_version(
@@ -639,14 +699,37 @@ def _write_version(
     try:
         put = _put(url, {base + names[n]: enc for n, enc in files.items()}, digest=True)
         entries = {names[n]: put[base + names[n]] for n in files}
-        doc = {"pytreeio_commit": 1, "version": version, "files": entries}
-        with _storage_errors(url.at(commit_key)):  # the commit point: one small PUT
-            url.fs.pipe_file(commit_key, json.dumps(doc, indent=1).encode())
+        _check_uploaded(url, base, entries)
     except BaseException:
         _remove(url, base)
         raise
+    doc = {"pytreeio_commit": 1, "version": version, "files": entries}
+    try:
+        with _storage_errors(url.at(commit_key)):  # the commit point: one small PUT
+            url.fs.pipe_file(commit_key, json.dumps(doc, indent=1).encode())
+    except BaseException:
+        # The PUT may have landed all the same (a timeout after the store took it): the
+        # version goes only if the commit object does not name it.
+        now = _read_commit_quietly(url, anchor, directory)
+        if now is not None and now.get("version") != version:
+            _remove(url, base)
+        raise
     now = _read_commit_quietly(url, anchor, directory)
-    _tidy(url, prefix, keep=now["version"] if now else version, replaced=before, mine=version)
+    lost = now is not None and now["version"] not in (version, (before or {}).get("version"))
+    _tidy(url, prefix, keep=now["version"] if now else version, replaced=before, lost=lost)
+
+
+def _check_uploaded(url: Url, base: str, entries: Mapping[str, Any]) -> None:
+    """Refuse to commit a version whose files are not all there, at their sizes."""
+    url.fs.invalidate_cache(base.rstrip("/"))
+    with _storage_errors(url.at(base)):
+        found = url.fs.find(base, detail=True)
+    sizes = {k[len(base) :]: int(i.get("size") or 0) for k, i in found.items()}
+    missing = [n for n, e in entries.items() if sizes.get(n) != e["size"]]
+    if missing:
+        raise OSError(
+            errno.EIO, f"uploaded, then not found whole: {', '.join(missing[:3])}", url.at(base)
+        )
 
 
 def _read_commit_quietly(url: Url, anchor: str, directory: bool) -> dict[str, Any] | None:
@@ -656,8 +739,11 @@ def _read_commit_quietly(url: Url, anchor: str, directory: bool) -> dict[str, An
         return None
 
 
-def _tidy(url: Url, prefix: str, *, keep: str, replaced: dict[str, Any] | None, mine: str) -> None:
-    """Remove the versions of ``prefix`` that no save will commit (see the module docstring)."""
+def _tidy(url: Url, prefix: str, *, keep: str, replaced: dict[str, Any] | None, lost: bool) -> None:
+    """Remove the versions of ``prefix`` that no save will commit (see the module docstring):
+    the one ``replaced``, ``keep`` never; with ``lost`` (another commit landed after ours) our
+    own too; and dead saves': this host's whose process is gone, and any whose newest object
+    is older than `STALE_AFTER` by the store's clock."""
     head, _ = _parent(prefix)
     mark = prefix[len(head) + 1 :]
     url.fs.invalidate_cache(head)
@@ -665,43 +751,58 @@ def _tidy(url: Url, prefix: str, *, keep: str, replaced: dict[str, Any] | None, 
         entries = url.fs.ls(head, detail=False)
     except Exception:  # nothing to tidy, or not listable: the next save tries again
         return
-    here = socket.gethostname()
-    host = re.sub(r"[^A-Za-z0-9.]+", ".", here)[:64] or "host"
+    host, mine = _host(), os.getpid()
     for entry in entries:
         name = _parent(entry)[1]
-        if not name.startswith(mark):
-            continue
-        version = name[len(mark) :]
+        version = name[len(mark) :] if name.startswith(mark) else ""
         m = _VERSION.fullmatch(version)
         if m is None or version == keep:
             continue
-        if (
-            version == mine  # another saver's commit landed after ours
-            or (replaced is not None and version == replaced.get("version"))
-            or (m.group(2) == host and not _alive(int(m.group(3))))
-            or _age(m.group(1)) > STALE_AFTER
-        ):
+        try:
+            ours = m.group(2) == host and int(m.group(3)) == mine
+            dead = (
+                (replaced is not None and version == replaced.get("version"))
+                or (ours and lost)
+                or (m.group(2) == host and not ours and not _alive(int(m.group(3))))
+                or _idle_for(url, f"{head}/{name}") > STALE_AFTER
+            )
+        except Exception:  # an entry it cannot judge stays; the others are still tidied
+            continue
+        if dead:
             _remove(url, f"{head}/{name}/")
 
 
 def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # another user's process: alive
+    except (OSError, OverflowError):  # another user's process (alive), or not a pid here
         return True
     return True
 
 
-def _age(stamp: str) -> float:
-    import calendar
+def _idle_for(url: Url, prefix: str) -> float:
+    """Seconds since the newest object below ``prefix`` was written, by the store's clock
+    (0 where the store gives no times: never stale)."""
+    found = url.fs.find(prefix, detail=True)
+    times = [_seconds(i) for i in found.values()]
+    known = [t for t in times if t is not None]
+    if not known or len(known) != len(times):
+        return 0.0
+    return time.time() - max(known)
 
-    whole, _, frac = stamp.partition(".")
-    started = calendar.timegm(time.strptime(whole, "%Y%m%dT%H%M%S")) + float(f"0.{frac}")
-    return time.time() - started
+
+def _seconds(info: Mapping[str, Any]) -> float | None:
+    import datetime
+
+    for k in ("LastModified", "mtime", "updated", "created"):
+        v = info.get(k)
+        if isinstance(v, datetime.datetime):
+            return v.timestamp()
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            return float(v)
+    return None
 
 
 def _remove(url: Url, prefix: str) -> None:
@@ -857,10 +958,10 @@ class PartWriter(Closing):
     def write_at(self, offset: int, data: Any) -> None:
         view = memoryview(data).cast("B")
         if self._lead is not None:
-            os.pwrite(self._fd, view, offset)  # the lead's pwrite of at most 1 GiB parts
+            _write_at(self._fd, view, offset)
             return
         self._ranges.append((offset, len(view)))
-        os.write(self._fd, view)
+        _write_at(self._fd, view, None)
 
     def read_at(self, offset: int, n: int) -> memoryview:
         if self._lead is None:
