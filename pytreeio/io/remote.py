@@ -21,10 +21,17 @@ Object stores have no rename, so atomicity comes from objects that are written w
   (a save still running, or killed) is never read.  A directory of plain objects with no
   commit object (uploaded by another tool) is read as it is.
 
-- After committing, a save removes the version its commit replaced, its own version if
-  another saver's commit landed after its own, and versions left by dead saves: those of this
-  host whose process is gone, and any older than `STALE_AFTER`.  Two concurrent savers
-  each write a whole version; the checkpoint is the one whose commit object landed last.
+- Before committing, a save lists its version's files (all there, at their sizes).  After
+  committing, it removes the version its commit replaced, its own version if another saver's
+  commit landed after its own, and versions left by dead saves: those of this host (host name
+  and PID namespace) whose process is gone, and any whose newest object is older than
+  `STALE_AFTER` by the store's clock.  Two concurrent savers each write a whole version; the
+  checkpoint is the one whose commit object landed last.
+
+Uploads are staged in the local temporary directory (it must hold the file, or a directory
+checkpoint's files).  File systems that write in place rather than publishing an object
+whole (sftp, hdfs, ...) get each file under a temporary name, then renamed.  Caching
+wrappers (``simplecache::``) are refused: they would serve a stale commit object.
 
 Reads are ranged GETs: a whole object in parallel blocks, a lazy view's tensor by its
 range.  A single object replaced while it is read (its ETag changes) is `ChangedWhileOpen`,
