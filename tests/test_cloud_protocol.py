@@ -471,3 +471,33 @@ def test_an_odd_entry_beside_the_versions_does_not_break_saves(mem: str) -> None
         fs.pipe_file(f"{root}/.pytreeio-{odd}/x", b"x")
     ptio.save(url, _waffe2_tree(2.0), format="waffe2")
     assert _values(ptio.load(url)) == {2.0}
+
+
+@pytest.mark.parametrize("dst", ["netcl", "bullet"])
+def test_convert_from_a_url_holds_a_few_tensors(mem: str, tmp_path: Path, dst: str) -> None:
+    """The streaming bound of `tests/test_streaming_memory.py`, reading ranges of an object:
+    a few tensors (each fetched as bytes, then copied into its own memory), not the tree."""
+    from test_streaming_convert import files_of
+    from test_streaming_memory import BOUND, IN, OUT, TENSOR, traced_peak
+
+    rng = np.random.default_rng(7)
+    layers = 24  # 9 MiB: nearly four times the bound
+    shapes = [(IN, OUT) if i % 2 == 0 else (OUT, IN) for i in range(layers)]
+    params = {
+        f"Dense_{i}": {
+            "kernel": rng.standard_normal(shape).astype(np.float32),
+            "bias": rng.standard_normal(shape[1]).astype(np.float32),
+        }
+        for i, shape in enumerate(shapes)
+    }
+    src = mem + "/flax.safetensors"
+    ptio.save(src, {"params": params})
+    (tmp_path / "remote").mkdir()
+    out = tmp_path / "remote" / "out"
+    peak = traced_peak(lambda: ptio.convert(src, out, to=dst, durable=False))
+    bound = BOUND + 2 * TENSOR
+    assert peak < bound < layers * TENSOR / 3, f"peak {peak / 2**20:.1f} MiB"
+    (tmp_path / "local").mkdir()
+    ptio.save(tmp_path / "flax.safetensors", {"params": params})
+    ptio.convert(tmp_path / "flax.safetensors", tmp_path / "local" / "out", to=dst)
+    assert files_of(out, dst) == files_of(tmp_path / "local" / "out", dst)
