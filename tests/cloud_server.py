@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from processes import free_port
 
 try:
     import pytest
@@ -46,12 +47,6 @@ START_TIMEOUT_S = 60.0
 # Without a proxy: the server is on loopback, and an HTTP(S)_PROXY from the environment
 # must not see the requests.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _answers(url: str) -> bool:
@@ -97,7 +92,7 @@ class MotoServer:
         env.update(AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
         failures = []
         for _ in range(self.attempts):
-            port = _free_port()
+            port = free_port()
             self.endpoint = f"http://127.0.0.1:{port}"
             # The request log goes to a file: a pipe nobody reads would fill up and stall it.
             with self.log.open("ab") as log:

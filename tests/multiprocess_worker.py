@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script
@@ -37,6 +38,21 @@ def values() -> dict[str, np.ndarray]:
         "cols": np.arange(32 * 2048, dtype=np.int32).reshape(32, 2048) * 3,
         "repl": np.arange(16 * 2048, dtype=np.uint16).reshape(16, 2048),
     }
+
+
+def held_bytes(out: dict[str, Any], host: dict[str, np.ndarray]) -> int:
+    """The bytes of the distinct blocks this process holds of ``out``'s arrays, each checked
+    against the global value in ``host``."""
+    held = 0
+    for k in host:
+        blocks = set()
+        for shard in out[k].addressable_shards:
+            assert np.asarray(shard.data).tobytes() == host[k][shard.index].tobytes(), k
+            key = tuple((s.start, s.stop) for s in shard.index)
+            if key not in blocks:
+                blocks.add(key)
+                held += np.asarray(shard.data).nbytes
+    return held
 
 
 def main() -> None:
@@ -131,15 +147,7 @@ def check(
     out = ptio.load(dest, like=like, format=fmt)
     io.FileSource.read_into = original  # type: ignore[method-assign]
     io.FileSource._read = original_read  # type: ignore[method-assign]
-    held = 0
-    for k in host:
-        blocks = set()
-        for shard in out[k].addressable_shards:
-            assert np.asarray(shard.data).tobytes() == host[k][shard.index].tobytes(), k
-            key = tuple((s.start, s.stop) for s in shard.index)
-            if key not in blocks:
-                blocks.add(key)
-                held += np.asarray(shard.data).nbytes
+    held = held_bytes(out, host)
     assert out["step"] == 7 and np.array_equal(out["bias"], tree["bias"])
     header = 8 + int.from_bytes(dest.read_bytes()[:8], "little") if fmt == "safetensors" else 0
     report = {"format": fmt, "process": process_id, "read": sum(read), "held": held}

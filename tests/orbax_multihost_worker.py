@@ -37,6 +37,7 @@ if str(REPO) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
+from multiprocess_worker import held_bytes  # noqa: E402
 
 FORMATS = ("safetensors", "msgpack")
 
@@ -235,16 +236,9 @@ def restore(mngr: Any, fmt: str, shardings: dict[str, Any], process_id: int) -> 
         for kind, original in zip(kinds, originals, strict=True):
             kind.__init__ = original  # type: ignore[method-assign]
     assert sources, "the restore opened no file"
-    held = 0
     for k in host:
         assert out[k].sharding == shardings[k], (k, out[k].sharding)
-        blocks = set()
-        for shard in out[k].addressable_shards:
-            assert np.asarray(shard.data).tobytes() == host[k][shard.index].tobytes(), k
-            key = tuple((s.start, s.stop) for s in shard.index)
-            if key not in blocks:
-                blocks.add(key)
-                held += np.asarray(shard.data).nbytes
+    held = held_bytes(out, host)
     assert out["step"] == 5 and np.array_equal(out["bias"], np.arange(5, dtype=np.float32) + 5)
     read = sum(src.bytes_read for src in sources)
     report = {"format": fmt, "process": process_id, "read": read, "held": held}

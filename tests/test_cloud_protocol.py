@@ -131,20 +131,20 @@ def test_an_object_replaced_while_a_lazy_view_reads_it_is_changed_while_open(mem
 # --------------------------------------------------------------------------
 
 
-def test_a_directory_is_one_committed_version(mem: str) -> None:
+def test_a_directory_is_a_committed_version_and_the_one_it_replaced(mem: str) -> None:
     url = mem + "/ck"
-    ptio.save(url, _waffe2_tree(1.0), format="waffe2")
-    ptio.save(url, _waffe2_tree(2.0), format="waffe2")
+    for v in (1.0, 2.0, 3.0):
+        ptio.save(url, _waffe2_tree(v), format="waffe2")
     names = _objects(url)
     commit = [n for n in names if n == ".pytreeio-commit"]
     versions = {n.split("/")[0] for n in names if n != ".pytreeio-commit"}
-    assert commit and len(versions) == 1  # the replaced version is gone
     doc = json.loads(
         fsspec.filesystem("memory").cat_file(url.removeprefix("memory://") + "/" + commit[0])
     )
-    assert versions == {".pytreeio-" + doc["version"]}
+    # the first save's version is gone; the second's stays for readers still reading it
+    assert versions == {".pytreeio-" + doc["version"], ".pytreeio-" + doc["previous"]}
     assert all(e["size"] > 0 and len(e["xxh3_64"]) == 16 for e in doc["files"].values())
-    assert _values(ptio.load(url)) == {2.0}
+    assert _values(ptio.load(url)) == {3.0}
     assert ptio.verify(url).format == "waffe2"
 
 
@@ -177,7 +177,8 @@ def test_an_uncommitted_version_is_never_read_and_the_next_save_removes_a_dead_o
     assert _values(ptio.load(url)) == {1.0}
     ptio.save(url, _waffe2_tree(3.0), format="waffe2")
     left = {n.split("/")[0] for n in _objects(url)} - {".pytreeio-commit"}
-    assert len(left) == 2 and f".pytreeio-{young_elsewhere}" in left  # maybe still running
+    # the committed version, the one it replaced, and a young one of another host's saver
+    assert len(left) == 3 and f".pytreeio-{young_elsewhere}" in left
     assert _values(ptio.load(url)) == {3.0}
 
 
@@ -302,7 +303,13 @@ def test_sigkill_during_a_directory_save_to_s3_leaves_the_previous_checkpoint(
     assert len([p for p in fs.ls(key) if ".pytreeio-2" in p]) == 2  # the dead save's files
     ptio.save(url, _waffe2_tree(3.0, n=40), format="waffe2", storage_options=s3_options)
     fs.invalidate_cache()
-    assert len([p for p in fs.ls(key) if ".pytreeio-2" in p]) == 1  # removed by the next save
+    # the dead save's files are removed by the next save; the replaced version stays
+    assert len([p for p in fs.ls(key) if ".pytreeio-2" in p]) == 2
+    doc = json.loads(fs.cat_file(key + "/.pytreeio-commit"))
+    assert {p.split("/.pytreeio-")[-1] for p in fs.ls(key) if ".pytreeio-2" in p} == {
+        doc["version"],
+        doc["previous"],
+    }
     assert _values(ptio.load(url, storage_options=s3_options)) == {3.0}
 
 
@@ -328,7 +335,9 @@ def test_two_concurrent_savers_to_s3_never_leave_a_mix(
     ptio.save(url, _waffe2_tree(4.0, n=8), format="waffe2", storage_options=s3_options)
     fs, key = fsspec.core.url_to_fs(url, **s3_options)
     fs.invalidate_cache()
-    assert len([p for p in fs.ls(key) if ".pytreeio-2" in p]) == 1
+    assert (
+        len([p for p in fs.ls(key) if ".pytreeio-2" in p]) == 2
+    )  # that save's, and the one before
 
 
 def test_the_command_reads_s3_with_fsspec_environment_configuration(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from processes import free_port, gloo_missing
 from thread_group import run_threads
 
 ocp = pytest.importorskip("orbax.checkpoint")
@@ -40,28 +40,12 @@ FORMATS = ("safetensors", "msgpack")
 # --------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _gloo_missing() -> str | None:
-    import jax
-
-    try:
-        jax.config.jax_cpu_collectives_implementation  # noqa: B018
-    except AttributeError:
-        return "this jax has no CPU collectives option (gloo)"
-    return None
-
-
 def _run_pair(root: str, scratch: Path, env: dict[str, str] | None = None) -> str:
     """Run the two workers on ``root`` (the managers' directory: a local path, or a remote
     root whose storage options ``env`` carries); returns their stdout, process 0's first."""
     environ = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", **(env or {}))
     environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    port = str(_free_port())
+    port = str(free_port())
     script = str(TESTS / "orbax_multihost_worker.py")
     procs = [
         subprocess.Popen(
@@ -97,7 +81,7 @@ def _lines(text: str, tag: str) -> list[dict[str, Any]]:
 
 
 def test_two_processes_save_in_parts_and_restore_their_slices(tmp_path: Path) -> None:
-    why = _gloo_missing()
+    why = gloo_missing()
     if why:
         pytest.skip(why)
     root, scratch = tmp_path / "ckpts", tmp_path / "scratch"
@@ -139,7 +123,7 @@ def test_two_processes_save_in_parts_to_s3(
 ) -> None:
     """The same pair with the managers' directory in a bucket: each process uploads its
     ranges, process 0 merges them and uploads the file as one object."""
-    why = _gloo_missing()
+    why = gloo_missing()
     if why:
         pytest.skip(why)
     fsspec = pytest.importorskip("fsspec")

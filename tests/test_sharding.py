@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 from conftest import assert_bits_equal
 from hypothesis import given
 from hypothesis import strategies as st
+from processes import free_port, gloo_missing
 from thread_group import run_threads
 
 import pytreeio as ptio
@@ -213,28 +213,12 @@ def test_eight_devices(case: str) -> None:
 # --------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _gloo_missing() -> str | None:
-    import jax
-
-    try:
-        jax.config.jax_cpu_collectives_implementation  # noqa: B018
-    except AttributeError:
-        return "this jax has no CPU collectives option (gloo)"
-    return None
-
-
 def test_two_processes_save_and_load_in_parts(tmp_path: Path) -> None:
     """Two jax processes (2 devices each) write one checkpoint in parts and each reads its slices."""
-    why = _gloo_missing()
+    why = gloo_missing()
     if why:
         pytest.skip(why)
-    port = str(_free_port())
+    port = str(free_port())
     procs = [
         subprocess.Popen(
             [

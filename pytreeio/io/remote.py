@@ -21,11 +21,12 @@ Object stores have no rename, so atomicity comes from objects that are written w
   (a save still running, or killed) is never read.  A directory of plain objects with no
   commit object (uploaded by another tool) is read as it is.
 
-- Before committing, a save lists its version's files (all there, at their sizes).  After
-  committing, it removes the version its commit replaced, its own version if another saver's
-  commit landed after its own, and versions left by dead saves: those of this host (host name
-  and PID namespace) whose process is gone, and any whose newest object is older than
-  `STALE_AFTER` by the store's clock.  Two concurrent savers each write a whole version; the
+- Before committing, a save lists its version's files (all there, at their sizes).  The
+  commit object also names the version it replaced (``previous``), kept for readers still
+  reading it.  After committing, a save removes the version replaced two saves ago, its own
+  version if another saver's commit landed after its own (and does not keep it), and versions
+  left by dead saves: those of this host (host name and PID namespace) whose process is gone,
+  and any whose newest object is older than `STALE_AFTER` by the store's clock.  Two concurrent savers each write a whole version; the
   checkpoint is the one whose commit object landed last.
 
 Uploads are staged in the local temporary directory (it must hold the file, or a directory
@@ -381,6 +382,7 @@ def _read_commit(url: Url, anchor: str, directory: bool) -> dict[str, Any] | Non
         not isinstance(files, dict)
         or not isinstance(version, str)
         or _VERSION.fullmatch(version) is None
+        or not (doc.get("previous") is None or _VERSION.fullmatch(str(doc["previous"])))
         or not all(_safe_name(n) and _entry_ok(e) for n, e in files.items())
     ):
         raise FormatError(
@@ -710,7 +712,8 @@ def _write_version(
     except BaseException:
         _remove(url, base)
         raise
-    doc = {"pytreeio_commit": 1, "version": version, "files": entries}
+    previous = before["version"] if before else None  # kept for readers still reading it
+    doc = {"pytreeio_commit": 1, "version": version, "previous": previous, "files": entries}
     try:
         with _storage_errors(url.at(commit_key)):  # the commit point: one small PUT
             url.fs.pipe_file(commit_key, json.dumps(doc, indent=1).encode())
@@ -722,8 +725,9 @@ def _write_version(
             _remove(url, base)
         raise
     now = _read_commit_quietly(url, anchor, directory)
-    lost = now is not None and now["version"] not in (version, (before or {}).get("version"))
-    _tidy(url, prefix, keep=now["version"] if now else version, replaced=before, lost=lost)
+    keep = {now["version"], now.get("previous")} if now else {version, previous}
+    retired = {before.get("previous")} if before else set()  # replaced two saves ago
+    _tidy(url, prefix, keep=keep, remove=retired | {version})
 
 
 def _check_uploaded(url: Url, base: str, entries: Mapping[str, Any]) -> None:
@@ -746,11 +750,11 @@ def _read_commit_quietly(url: Url, anchor: str, directory: bool) -> dict[str, An
         return None
 
 
-def _tidy(url: Url, prefix: str, *, keep: str, replaced: dict[str, Any] | None, lost: bool) -> None:
-    """Remove the versions of ``prefix`` that no save will commit (see the module docstring):
-    the one ``replaced``, ``keep`` never; with ``lost`` (another commit landed after ours) our
-    own too; and dead saves': this host's whose process is gone, and any whose newest object
-    is older than `STALE_AFTER` by the store's clock."""
+def _tidy(url: Url, prefix: str, *, keep: set[Any], remove: set[Any]) -> None:
+    """Remove the versions of ``prefix`` that no reader or save needs (see the module
+    docstring): those in ``remove`` and dead saves' (this host's whose process is gone, and
+    any whose newest object is older than `STALE_AFTER` by the store's clock); never those
+    in ``keep`` (the committed version and the one it replaced)."""
     head, _ = _parent(prefix)
     mark = prefix[len(head) + 1 :]
     url.fs.invalidate_cache(head)
@@ -758,19 +762,18 @@ def _tidy(url: Url, prefix: str, *, keep: str, replaced: dict[str, Any] | None, 
         entries = url.fs.ls(head, detail=False)
     except Exception:  # nothing to tidy, or not listable: the next save tries again
         return
-    host, mine = _host(), os.getpid()
+    host = _host()
     for entry in entries:
         name = _parent(entry)[1]
         version = name[len(mark) :] if name.startswith(mark) else ""
         m = _VERSION.fullmatch(version)
-        if m is None or version == keep:
+        if m is None or version in keep:
             continue
         try:
-            ours = m.group(2) == host and int(m.group(3)) == mine
+            pid = int(m.group(3))
             dead = (
-                (replaced is not None and version == replaced.get("version"))
-                or (ours and lost)
-                or (m.group(2) == host and not ours and not _alive(int(m.group(3))))
+                version in remove
+                or (m.group(2) == host and pid != os.getpid() and not _alive(pid))
                 or _idle_for(url, f"{head}/{name}") > STALE_AFTER
             )
         except Exception:  # an entry it cannot judge stays; the others are still tidied
