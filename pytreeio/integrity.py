@@ -60,7 +60,7 @@ import numpy as np
 
 from pytreeio import io
 from pytreeio.core import jsonsafe
-from pytreeio.core.digest import ALGORITHM, array_checksum, buffer_checksum
+from pytreeio.core.digest import ALGORITHM, array_checksum, buffer_checksum, stream_checksum
 from pytreeio.core.errors import FormatError
 
 __all__ = [
@@ -92,14 +92,7 @@ MAX_MANIFEST_BYTES = 64 << 20
 
 def file_checksum(path: str | os.PathLike[str]) -> tuple[int, str]:
     """``(size, checksum)`` of a file, read in 16 MiB chunks (bounded memory)."""
-    import xxhash
-
-    h = xxhash.xxh3_64()
-    size = 0
-    for view in io.read_chunks(path, _READ_CHUNK):
-        h.update(view)
-        size += len(view)
-    return size, f"{h.intdigest():016x}"
+    return stream_checksum(io.read_chunks(path, _READ_CHUNK))
 
 
 # --------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import assert_bits_equal
+from test_bullet import like_of
 
 import pytreeio as ptio
 from pytreeio.core.errors import ConversionError, EncodeError, MismatchError
@@ -82,10 +83,6 @@ def trainer(tx: Any) -> Any:
         return {"params": params, "opt_state": opt_state}
 
     return train
-
-
-def like_of(tx: Any, params: Any) -> dict[str, Any]:
-    return {"params": jax.eval_shape(lambda: params), "opt_state": jax.eval_shape(tx.init, params)}
 
 
 def adam_state(opt_state: Any) -> Any:

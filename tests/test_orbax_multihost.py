@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from processes import free_port, gloo_missing
+from processes import communicate, free_port, gloo_missing, skip_without_gloo
 from thread_group import run_threads
 
 ocp = pytest.importorskip("orbax.checkpoint")
@@ -58,20 +58,9 @@ def _run_pair(root: str, scratch: Path, env: dict[str, str] | None = None) -> st
         )
         for i in range(2)
     ]
-    outputs, logs = [], []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=TIMEOUT)
-            outputs.append(out)
-            logs.append(err)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    text, log = "\n".join(outputs), "\n".join(logs)
-    if "gloo" in log.lower() and "not" in log.lower() and "unimplemented" in log.lower():
-        pytest.skip(f"gloo collectives are unavailable here: {log[-500:]}")
+    outputs = communicate(procs, TIMEOUT)
+    text, log = "\n".join(o for o, _ in outputs), "\n".join(e for _, e in outputs)
+    skip_without_gloo(log)
     assert all(p.returncode == 0 for p in procs), text[-2000:] + log[-6000:]
     return text
 

@@ -21,7 +21,7 @@ import pytest
 from conftest import assert_bits_equal
 from hypothesis import given
 from hypothesis import strategies as st
-from processes import free_port, gloo_missing
+from processes import communicate, free_port, gloo_missing, skip_without_gloo
 from thread_group import run_threads
 
 import pytreeio as ptio
@@ -237,19 +237,8 @@ def test_two_processes_save_and_load_in_parts(tmp_path: Path) -> None:
         )
         for i in range(2)
     ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=TIMEOUT)
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    text = "\n".join(outputs)
-    if "gloo" in text.lower() and "not" in text.lower() and "unimplemented" in text.lower():
-        pytest.skip(f"gloo collectives are unavailable here: {text[-500:]}")
+    text = "\n".join(out for out, _ in communicate(procs, TIMEOUT))
+    skip_without_gloo(text)
     assert all(p.returncode == 0 for p in procs), text[-4000:]
     results = [
         json.loads(line[len("RESULT ") :])

@@ -7,14 +7,20 @@ verification (`pytreeio.integrity`) and safetensors' per-tensor checksums use th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from pytreeio.core.threads import LazyPool
 
-__all__ = ["ALGORITHM", "array_checksum", "buffer_checksum", "checksums_in_background"]
+__all__ = [
+    "ALGORITHM",
+    "array_checksum",
+    "buffer_checksum",
+    "checksums_in_background",
+    "stream_checksum",
+]
 
 ALGORITHM = "xxh3_64"
 
@@ -24,6 +30,19 @@ def buffer_checksum(data: Any) -> str:
     import xxhash  # only checksums need it
 
     return f"{xxhash.xxh3_64_intdigest(data):016x}"
+
+
+def stream_checksum(pieces: Iterable[Any]) -> tuple[int, str]:
+    """``(size, checksum)`` of the bytes-like ``pieces`` taken one after another (a file read
+    in chunks: bounded memory)."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    size = 0
+    for piece in pieces:
+        h.update(piece)
+        size += len(memoryview(piece))
+    return size, f"{h.intdigest():016x}"
 
 
 def array_checksum(arr: np.ndarray) -> str:

@@ -56,11 +56,12 @@ from typing import Any
 import numpy as np
 
 from pytreeio.core.binary import ByteSource
+from pytreeio.core.digest import stream_checksum
 from pytreeio.core.errors import FormatError
 from pytreeio.core.records import Directory, Encoded, File, Layout, Probe, Siblings
 from pytreeio.io.atomic import _write_at, _write_chunks
 from pytreeio.io.probes import _HEAD, _MAX_NAMES, _listing_probe, _probe_source, _probe_with
-from pytreeio.io.reads import ChangedWhileOpen, Closing, FileSet
+from pytreeio.io.reads import ChangedWhileOpen, Closing, FileSet, read_chunks
 
 # "s3://", "gs://", chained "simplecache::s3://": a protocol, then "://" or "::"
 _PROTOCOL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*(?=://|::)")
@@ -198,10 +199,14 @@ def _info(url: Url, key: str) -> dict[str, Any] | None:
         return None
 
 
+#: Where fsspec back-ends report when an object was written (S3, local/sftp, GCS, memory).
+_TIME_KEYS = ("LastModified", "mtime", "updated", "created")
+
+
 def _stamp(info: Mapping[str, Any]) -> tuple[Any, ...]:
     """What a new write of an object changes (``ETag`` where the store gives one)."""
     tag = next((info[k] for k in ("ETag", "etag", "md5Hash", "generation") if k in info), None)
-    when = next((info[k] for k in ("LastModified", "mtime", "updated", "created") if k in info), 0)
+    when = next((info[k] for k in _TIME_KEYS if k in info), 0)
     return (info.get("size"), tag, str(when))
 
 
@@ -638,20 +643,10 @@ def _stage(path: str, encoded: Encoded, digest: bool) -> dict[str, Any]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         _write_chunks(fd, encoded.chunks)
-        entry: dict[str, Any] = {"size": os.fstat(fd).st_size, "xxh3_64": ""}
-        if digest:
-            import xxhash
-
-            h = xxhash.xxh3_64()
-            buf = bytearray(_BLOCK)
-            with os.fdopen(os.dup(fd), "rb") as f:
-                f.seek(0)
-                while n := f.readinto(buf):
-                    h.update(memoryview(buf)[:n])
-            entry["xxh3_64"] = f"{h.intdigest():016x}"
+        size = os.fstat(fd).st_size
     finally:
         os.close(fd)
-    return entry
+    return {"size": size, "xxh3_64": stream_checksum(read_chunks(path))[1] if digest else ""}
 
 
 def _put(url: Url, items: Mapping[str, Encoded], digest: bool = False) -> dict[str, Any]:
@@ -806,7 +801,7 @@ def _idle_for(url: Url, prefix: str) -> float:
 def _seconds(info: Mapping[str, Any]) -> float | None:
     import datetime
 
-    for k in ("LastModified", "mtime", "updated", "created"):
+    for k in _TIME_KEYS:
         v = info.get(k)
         if isinstance(v, datetime.datetime):
             return v.timestamp()
@@ -870,16 +865,11 @@ def commit_record(
 
 def checksum(url: Url, key: str) -> tuple[int, str]:
     """``(size, xxh3_64)`` of the object at ``key``, read in blocks (bounded memory)."""
-    import xxhash
-
     src = _object(url, key)
-    h = xxhash.xxh3_64()
-    buf = np.empty(min(src.size, _BLOCK * _BLOCKS_AT_ONCE), dtype=np.uint8).data
-    for at in range(0, src.size, len(buf) or 1):
-        n = min(len(buf), src.size - at)
-        src.read_into(at, buf[:n], "file")
-        h.update(buf[:n])
-    return src.size, f"{h.intdigest():016x}"
+    step = _BLOCK * _BLOCKS_AT_ONCE
+    return stream_checksum(
+        src.read(at, min(step, src.size - at), "file") for at in range(0, src.size, step)
+    )
 
 
 # --------------------------------------------------------------------------
